@@ -1,0 +1,144 @@
+"""Token accounting from the tensors ``generate()`` takes and returns.
+
+Only continuation tokens are output: never the prompt, never left padding, never the padding
+transformers writes after a sequence has finished. These functions are shared by the
+instrumentor and the benchmark harness so that both count the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, List, Optional, Sequence
+
+from otel_generate.attributes import FINISH_REASON_LENGTH, FINISH_REASON_STOP
+
+
+def _as_id_list(token_ids: Any) -> List[int]:
+    if token_ids is None:
+        return []
+    if hasattr(token_ids, "tolist"):
+        token_ids = token_ids.tolist()
+    if isinstance(token_ids, int):
+        return [token_ids]
+    return [int(t) for t in token_ids]
+
+
+def count_new_tokens(
+    sequences: Any,
+    prompt_length: int,
+    eos_token_id: Optional[Any] = None,
+    pad_token_id: Optional[int] = None,
+) -> List[int]:
+    """Count the real generated tokens of each returned sequence.
+
+    Args:
+        sequences: LongTensor of shape ``(num_sequences, total_length)``, as returned by
+            ``generate()`` (``output.sequences`` for a dict output). Each row is the prompt
+            (``prompt_length`` positions, left padding included) followed by the continuation.
+        prompt_length: number of leading positions that were not generated: the padded prompt
+            width for decoder-only models, the decoder start tokens for encoder-decoder models,
+            0 when generating from ``inputs_embeds`` only.
+        eos_token_id: an int, a list of ints or a tensor of end-of-sequence ids, or ``None``.
+            The first EOS in a continuation ends it and is counted as a generated token;
+            anything after it is padding.
+        pad_token_id: padding id. transformers writes it after a row has finished only when an
+            EOS id is set (``has_eos_stopping_criteria`` in ``GenerationMixin._sample``); so when
+            ``eos_token_id`` is given and the pad id differs from every EOS id, a run of pad ids
+            at the end of a continuation is padding written after the row was stopped (e.g. by a
+            user stopping criterion) and is not counted. Without EOS nothing is stripped.
+
+    Returns:
+        One count per row (``len == num_sequences``), each ``0 <= count <= total_length - prompt_length``.
+
+    Raises:
+        ValueError: if ``sequences`` is not 2-D or ``prompt_length`` is negative or larger than
+            the sequence length.
+    """
+    import torch
+
+    if sequences.dim() != 2:
+        raise ValueError(f"sequences must be 2-D (num_sequences, length), got shape {tuple(sequences.shape)}")
+    total = sequences.shape[-1]
+    if prompt_length < 0 or prompt_length > total:
+        raise ValueError(f"prompt_length must be between 0 and {total}, got {prompt_length}")
+    continuation = sequences[:, prompt_length:]
+    width = continuation.shape[-1]
+    rows = continuation.shape[0]
+    counts = torch.full((rows,), width, dtype=torch.long, device=continuation.device)
+    if width == 0:
+        return counts.tolist()
+    positions = torch.arange(1, width + 1, device=continuation.device)
+    eos_ids = _as_id_list(eos_token_id)
+    if eos_ids:
+        is_eos = torch.isin(continuation, torch.tensor(eos_ids, device=continuation.device))
+        # position (1-based) of the first EOS, else width
+        first_eos = torch.where(is_eos, positions, torch.full_like(positions, width + 1)).min(dim=-1).values
+        counts = torch.minimum(counts, first_eos)
+    if eos_ids and pad_token_id is not None and int(pad_token_id) not in eos_ids:
+        not_pad = continuation != int(pad_token_id)
+        last_real = torch.where(not_pad, positions, torch.zeros_like(positions)).max(dim=-1).values
+        counts = torch.minimum(counts, last_real)
+    return counts.tolist()
+
+
+def count_input_tokens(
+    inputs: Any,
+    attention_mask: Optional[Any] = None,
+    pad_token_id: Optional[int] = None,
+    eos_token_id: Optional[Any] = None,
+) -> int:
+    """Count the non-padding prompt tokens of all rows.
+
+    Args:
+        inputs: the prompt, LongTensor ``(batch, prompt_length)`` of token ids, or a float
+            ``inputs_embeds`` tensor ``(batch, prompt_length, hidden)``.
+        attention_mask: ``(batch, prompt_length)`` 0/1 mask; when given it decides alone.
+        pad_token_id, eos_token_id: used only without a mask, the way transformers infers one
+            (``GenerationMixin._prepare_attention_mask_for_generation``): pad positions are
+            padding when the pad id differs from every EOS id.
+
+    Returns:
+        The number of real prompt tokens over the whole batch.
+    """
+    if attention_mask is not None and tuple(attention_mask.shape[:2]) == tuple(inputs.shape[:2]):
+        return int(attention_mask.sum().item())
+    batch, length = int(inputs.shape[0]), int(inputs.shape[1])
+    is_ids = inputs.dim() == 2 and not inputs.is_floating_point()
+    if pad_token_id is not None and is_ids and int(pad_token_id) not in _as_id_list(eos_token_id):
+        return int((inputs != int(pad_token_id)).sum().item())
+    return batch * length
+
+
+def finish_reasons(
+    sequences: Any,
+    prompt_length: int,
+    counts: Sequence[int],
+    max_new_tokens: Optional[int],
+    eos_token_id: Optional[Any] = None,
+) -> List[str]:
+    """One GenAI finish reason per returned sequence.
+
+    ``"stop"`` when the continuation holds an EOS token or the row was stopped before its
+    budget (a stopping criterion, a stop string); ``"length"`` when it used all
+    ``max_new_tokens`` without an EOS. Values from the GenAI semantic conventions
+    (``gen_ai.response.finish_reasons``).
+    """
+    eos_ids = set(_as_id_list(eos_token_id))
+    reasons = []
+    rows = sequences[:, prompt_length:].tolist() if eos_ids else None
+    for row, count in enumerate(counts):
+        ended_with_eos = bool(eos_ids) and count > 0 and rows[row][count - 1] in eos_ids
+        if not ended_with_eos and max_new_tokens is not None and count >= max_new_tokens:
+            reasons.append(FINISH_REASON_LENGTH)
+        else:
+            reasons.append(FINISH_REASON_STOP)
+    return reasons
+
+
+def step_tokens(lengths: Iterable[int], prompt_length: int) -> List[int]:
+    """Tokens appended per sequence by each step, from the sequence length seen after each step."""
+    out = []
+    previous = prompt_length
+    for length in lengths:
+        out.append(length - previous)
+        previous = length
+    return out

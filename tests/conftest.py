@@ -1,0 +1,94 @@
+"""Shared fixtures: an in-memory span exporter and metric reader, the instrumentor set up and torn down,
+and tiny random-weight models (no network)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from otel_generate import GenerateInstrumentor
+from otel_generate import attributes as A
+from otel_generate.models import build_model
+
+
+@pytest.fixture
+def span_exporter():
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def tracer_provider(span_exporter):
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(span_exporter))
+    return provider
+
+
+@pytest.fixture
+def metric_reader():
+    return InMemoryMetricReader()
+
+
+@pytest.fixture
+def meter_provider(metric_reader):
+    return MeterProvider(metric_readers=[metric_reader])
+
+
+@pytest.fixture
+def instrumented(tracer_provider, meter_provider):
+    """Instrument in setup, uninstrument in teardown (also when the test failed)."""
+    instrumentor = GenerateInstrumentor()
+    instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
+    yield instrumentor
+    instrumentor.uninstrument()
+
+
+@pytest.fixture(scope="session")
+def gpt2():
+    return build_model("gpt2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def llama():
+    return build_model("llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def t5():
+    return build_model("t5", seed=0)
+
+
+def request_spans(exporter):
+    return [s for s in exporter.get_finished_spans() if s.name.startswith(A.OPERATION_TEXT_COMPLETION + " ")]
+
+
+def step_spans(exporter, request=None):
+    steps = [s for s in exporter.get_finished_spans() if s.name in (A.STEP_SPAN_PREFILL, A.STEP_SPAN_DECODE)]
+    if request is not None:
+        steps = [s for s in steps if s.parent is not None and s.parent.span_id == request.context.span_id]
+    return sorted(steps, key=lambda s: s.attributes[A.GENERATE_STEP_INDEX])
+
+
+def prompt(batch=1, length=4, seed=0, low=1, high=126):
+    """Random prompt ids avoiding PAD (0) and EOS (127) of the built models."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(low, high, (batch, length), generator=generator)
+    return ids, torch.ones_like(ids)
+
+
+def uninstrumented_generate(model, *args, **kwargs):
+    """Call the original, unwrapped generate (the instrumented one is a wrapt proxy)."""
+    import wrapt
+    from transformers.generation.utils import GenerationMixin
+
+    generate = GenerationMixin.__dict__["generate"]
+    if isinstance(generate, getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)):
+        generate = generate.__wrapped__
+    from opentelemetry.instrumentation.utils import suppress_instrumentation
+
+    with suppress_instrumentation():  # also nested generate() calls (an assistant model's)
+        return generate(model, *args, **kwargs)
