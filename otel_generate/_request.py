@@ -145,8 +145,7 @@ class GenerateRequest:
             self.device = str(devices[-1]) if devices else None
             if telemetry.synchronize:
                 self.sync = clock.synchronizer_for(devices)
-                if self.sync is not None:
-                    self.sync()
+                self._synchronize()
         self.start_ns = clock.monotonic_ns()
         self.start_wall_ns = clock.wall_ns()
         self._context_token = otel_context.attach(trace.set_span_in_context(self.span))
@@ -204,8 +203,7 @@ class GenerateRequest:
         end_ns = None
         record = None
         try:
-            if self.timed and self.sync is not None:
-                self.sync()
+            self._synchronize()
             end_ns = clock.monotonic_ns()
             record = self._report(result, exc, end_ns)
         except Exception as fault:
@@ -227,6 +225,18 @@ class GenerateRequest:
         if record is not None:
             result = self._deliver(record, result)
         return result
+
+    def _synchronize(self) -> None:
+        """Wait for the device; a failing synchronize is logged once, then no longer used."""
+        if self.sync is None:
+            return
+        try:
+            self.sync()
+        except Exception as fault:
+            self.sync = None
+            self.synchronized = False
+            self.incomplete = True
+            log_fault_once("device synchronize", fault)
 
     def _wall(self, monotonic: int) -> int:
         return self.start_wall_ns + (monotonic - self.start_ns)
