@@ -78,7 +78,8 @@ def load_model(path: str, dtype: Optional[Any] = None) -> Tuple[Any, Any]:
         raise FileNotFoundError(f"model path {path!r} does not exist or is not a directory")
     kwargs = {"local_files_only": True}
     if dtype is not None:
-        kwargs["torch_dtype"] = dtype
+        # transformers 5 renamed from_pretrained's ``torch_dtype`` to ``dtype``
+        kwargs["dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"] = dtype
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     cls = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
     model = cls.from_pretrained(path, **kwargs).eval()
