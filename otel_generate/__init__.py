@@ -118,6 +118,10 @@ def _resolve_options(kwargs: Dict[str, Any]) -> Dict[str, Any]:
             f"GenerateInstrumentor.instrument() got unknown option(s) {', '.join(map(repr, unknown))}; "
             f"expected some of {', '.join(_OPTIONS)}"
         )
+    for name, method in (("tracer_provider", "get_tracer"), ("meter_provider", "get_meter")):
+        provider = kwargs.get(name)
+        if provider is not None and not callable(getattr(provider, method, None)):
+            raise TypeError(f"{name} must be an OpenTelemetry provider with {method}(), got {type(provider).__name__} {provider!r}")
     synchronize = kwargs.get("synchronize")
     if synchronize is None:
         synchronize = _env_bool(ENV_SYNCHRONIZE, True)

@@ -134,20 +134,27 @@ class GenerateRequest:
                 A.GEN_AI_REQUEST_MODEL: self.name,
             },
         )
-        # Per-step work only when someone will read it: a recorded span, a profiler, a callback,
-        # or track_token_latency. Otherwise generate() runs exactly as uninstrumented.
-        self.timed = (
-            self.span.is_recording() or bool(self.profilers) or self.callback is not None or self.track
-        )
-        self.synchronized = bool(telemetry.synchronize)
-        if self.timed:
-            devices = list(clock.devices_of(model))
-            self.device = str(devices[-1]) if devices else None
-            if telemetry.synchronize:
-                self.sync = clock.synchronizer_for(devices)
-                self._synchronize()
-        self.start_ns = clock.monotonic_ns()
-        self.start_wall_ns = clock.wall_ns()
+        try:
+            # Per-step work only when someone will read it: a recorded span, a profiler, a callback,
+            # or track_token_latency. Otherwise generate() runs exactly as uninstrumented.
+            self.timed = (
+                self.span.is_recording() or bool(self.profilers) or self.callback is not None or self.track
+            )
+            self.synchronized = bool(telemetry.synchronize)
+            if self.timed:
+                devices = list(clock.devices_of(model))
+                self.device = str(devices[-1]) if devices else None
+                if telemetry.synchronize:
+                    self.sync = clock.synchronizer_for(devices)
+                    self._synchronize()
+            self.start_ns = clock.monotonic_ns()
+            self.start_wall_ns = clock.wall_ns()
+        except BaseException:
+            # The caller runs generate() uninstrumented; the started span says why it has no data.
+            if self.span.is_recording():
+                self.span.set_attribute(A.GENERATE_STEPS_INCOMPLETE, True)
+            self.span.end()
+            raise
         self._context_token = otel_context.attach(trace.set_span_in_context(self.span))
 
     # --- hooks called from inside generate() ------------------------------------------------
@@ -215,15 +222,21 @@ class GenerateRequest:
             except Exception as fault:  # pragma: no cover - context mismatch across threads
                 log_fault_once("context detach", fault)
             if end_ns is None:
-                end_ns = clock.monotonic_ns()
+                try:
+                    end_ns = clock.monotonic_ns()
+                except Exception:  # the clock itself is gone (already logged): let the SDK stamp the end
+                    self.incomplete = True
             try:
                 if self.incomplete and self.span.is_recording():
                     self.span.set_attribute(A.GENERATE_STEPS_INCOMPLETE, True)
-                self.span.end(end_time=self._wall(end_ns))
+                self.span.end(end_time=self._wall(end_ns) if end_ns is not None else None)
             except Exception as fault:
                 log_fault_once("request span end", fault)
         if record is not None:
             result = self._deliver(record, result)
+        # The recorder's fault callback is bound to this request (a reference cycle): drop it, so the
+        # request (prompt tensors, the caller's kwargs) is freed when generate() returns, not at a later gc.
+        self.recorder = None
         return result
 
     def _synchronize(self) -> None:
