@@ -1,0 +1,7 @@
+"""``python -m otel_generate bench ...``: the same as the ``otel-generate`` console script."""
+
+import sys
+
+from otel_generate.cli import main
+
+sys.exit(main())

@@ -1,0 +1,931 @@
+"""``otel-generate bench``: honest tokens per second, and what the instrumentation costs.
+
+One command times ``generate()`` on a device and keeps every sample:
+
+* the model is built (or loaded) and placed on the device **before** warmup; warmup runs are
+  not measured;
+* each measured run times one complete ``generate()`` call (prompt processing plus
+  continuation) with :func:`otel_generate.clock.timed_call`: synchronize, read the clock, call,
+  synchronize, read the clock (``time.perf_counter``, seconds);
+* greedy decoding, KV cache on, an explicit attention mask, EOS disabled unless ``--eos``;
+* new tokens are counted from the returned tensor with
+  :func:`otel_generate.tokens.count_new_tokens` (per sequence, minus the prompt, up to and
+  including the first EOS, never padding), so a model that stops early reports its real count;
+* time to first token and time per output token come from the instrumentation itself
+  (:class:`otel_generate.TokenLatencyProfiler` around the runs).
+
+``--compare`` measures the instrumentation's cost: plain ``generate()`` (the original
+``GenerationMixin.generate``, uninstrumented) and instrumented ``generate()`` (SDK
+``TracerProvider`` with a ``BatchSpanProcessor`` and an exporter that discards, SDK
+``MeterProvider``) run interleaved A B A B on the same inputs; it reports the median of the
+paired ratios instrumented/plain and the median added microseconds per decode step.
+
+Units: ``*_s`` keys are seconds, ``*_ms`` milliseconds, ``*_us`` microseconds.
+
+Errors: invalid input raises :class:`BenchUsageError` (a ``ValueError``); the CLI turns it into
+a message on stderr and exit status 2, before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from otel_generate.clock import synchronizer_for, timed_call
+from otel_generate.tokens import count_new_tokens
+
+DEVICES = ("cpu", "cuda", "auto")
+DTYPES = ("float32", "float16", "bfloat16")
+#: ``--eos`` given without a value: use the model's own EOS id.
+MODEL_EOS = "model"
+
+#: Keys every bench JSON document has (``samples`` entries have at least :data:`SAMPLE_KEYS`).
+RESULT_KEYS = (
+    "versions",
+    "device",
+    "dtype",
+    "parameters",
+    "prompt_tokens",
+    "new_tokens_requested",
+    "batch_size",
+    "warmup",
+    "runs",
+    "threads",
+    "samples",
+    "median_elapsed_s",
+    "median_tokens_per_s",
+    "median_time_to_first_token_ms",
+    "median_time_per_output_token_ms",
+)
+SAMPLE_KEYS = ("elapsed_s", "new_tokens", "tokens_per_s")
+VERSION_KEYS = ("python", "torch", "transformers", "otel_generate")
+
+
+class BenchUsageError(ValueError):
+    """Invalid bench input (a count, a length, a device, a path). The CLI exits with status 2."""
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BenchConfig:
+    """What to run. Lengths are in tokens; see :func:`add_arguments` for each option's meaning."""
+
+    device: str = "cpu"
+    model: Optional[str] = None
+    model_config: Optional[str] = None
+    prompt_tokens: int = 4
+    new_tokens: int = 8
+    batch_size: int = 1
+    warmup: int = 2
+    runs: int = 5
+    dtype: str = "float32"
+    threads: int = 1
+    seed: int = 0
+    eos: Optional[str] = None  # None: EOS disabled; MODEL_EOS: the model's EOS; else an int id as text
+    output: Optional[str] = None
+    plot: Optional[str] = None
+    compare: bool = False
+    argv: List[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        """Check everything that can be checked before a model exists.
+
+        Raises:
+            BenchUsageError: naming the first problem found.
+        """
+        if self.runs < 1:
+            raise BenchUsageError(f"--runs must be at least 1, got {self.runs}")
+        if self.warmup < 0:
+            raise BenchUsageError(f"--warmup must be 0 or more, got {self.warmup}")
+        if self.new_tokens < 1:
+            raise BenchUsageError(f"--new-tokens must be at least 1, got {self.new_tokens}")
+        if self.prompt_tokens < 1:
+            raise BenchUsageError(f"--prompt-tokens must be at least 1, got {self.prompt_tokens}")
+        if self.batch_size < 1:
+            raise BenchUsageError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if self.threads < 1:
+            raise BenchUsageError(f"--threads must be at least 1, got {self.threads}")
+        if self.device not in DEVICES:
+            raise BenchUsageError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise BenchUsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.eos not in (None, MODEL_EOS):
+            try:
+                if int(self.eos) < 0:
+                    raise ValueError
+            except ValueError:
+                raise BenchUsageError(f"--eos takes a non-negative token id (or nothing), got {self.eos!r}") from None
+        if self.model is not None and self.model_config is not None:
+            raise BenchUsageError("give --model or --model-config, not both")
+        if self.model is not None and not os.path.isdir(self.model):
+            raise BenchUsageError(f"--model {self.model!r} does not exist or is not a directory")
+        if self.model_config is not None and not os.path.exists(self.model_config):
+            raise BenchUsageError(f"--model-config {self.model_config!r} does not exist")
+        for option, path in (("--output", self.output), ("--plot", self.plot)):
+            if path is None or path == "-" and option == "--output":
+                continue
+            if path == "-":
+                raise BenchUsageError("--plot needs a file path, not '-'")
+            parent = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(parent):
+                raise BenchUsageError(f"{option} {path!r}: directory {parent!r} does not exist")
+            if os.path.isdir(path):
+                raise BenchUsageError(f"{option} {path!r} is a directory")
+        if self.plot is not None:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise BenchUsageError(
+                    "--plot needs matplotlib, which is not installed: pip install 'otel-generate[plot]'"
+                ) from None
+
+
+def resolve_device(requested: str) -> str:
+    """``cpu`` -> ``cpu``; ``cuda`` -> ``cuda`` if available; ``auto`` -> ``cuda`` if available, else ``cpu``.
+
+    ``cpu`` touches no CUDA function at all.
+
+    Raises:
+        BenchUsageError: ``cuda`` requested and ``torch.cuda.is_available()`` is false.
+    """
+    if requested == "cpu":
+        return "cpu"
+    import torch
+
+    available = torch.cuda.is_available()
+    if requested == "cuda" and not available:
+        raise BenchUsageError("CUDA was requested but is not available (torch.cuda.is_available() is False)")
+    return "cuda" if available else "cpu"
+
+
+def torch_dtype(name: str) -> Any:
+    """``"float32"`` / ``"float16"`` / ``"bfloat16"`` -> the ``torch.dtype``."""
+    import torch
+
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+# --------------------------------------------------------------------------------------------
+# Model and inputs
+# --------------------------------------------------------------------------------------------
+
+
+def _text_config(model: Any) -> Any:
+    config = model.config
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+def max_positions(model: Any) -> Optional[int]:
+    """The model's position limit in tokens (``max_position_embeddings``/``n_positions``), or ``None``."""
+    config = _text_config(model)
+    for name in ("max_position_embeddings", "n_positions", "max_target_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_lengths(prompt_tokens: int, new_tokens: int, positions: Optional[int]) -> None:
+    """Refuse lengths the model cannot hold.
+
+    The decoder sees ``prompt_tokens + new_tokens - 1`` positions (the last new token is never
+    fed back), so that must not exceed ``positions``.
+
+    Raises:
+        BenchUsageError: ``prompt_tokens`` or ``new_tokens`` below 1, a prompt longer than the
+            model's positions, or prompt plus continuation beyond them.
+    """
+    if prompt_tokens < 1:
+        raise BenchUsageError(f"--prompt-tokens must be at least 1, got {prompt_tokens}")
+    if new_tokens < 1:
+        raise BenchUsageError(f"--new-tokens must be at least 1, got {new_tokens}")
+    if positions is None:
+        return
+    if prompt_tokens > positions:
+        raise BenchUsageError(
+            f"--prompt-tokens {prompt_tokens} is longer than the model's {positions} positions"
+        )
+    if prompt_tokens + new_tokens - 1 > positions:
+        raise BenchUsageError(
+            f"--prompt-tokens {prompt_tokens} plus --new-tokens {new_tokens} need {prompt_tokens + new_tokens - 1} "
+            f"positions; the model has {positions}"
+        )
+
+
+def _dtype_keyword() -> str:
+    """``from_config``/``from_pretrained`` take ``dtype`` from transformers 4.56, ``torch_dtype`` before."""
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+def build_bench_model(config: BenchConfig, device: str) -> Any:
+    """Build or load the model and place it on ``device`` in ``config.dtype`` (eval mode).
+
+    * default: :func:`otel_generate.models.build_model` ("gpt2", random weights, seeded);
+    * ``--model PATH``: :func:`otel_generate.models.load_model` (local checkpoint directory);
+    * ``--model-config PATH``: random weights for a transformers ``config.json`` (a file, or a
+      directory holding one), initialised directly on the device.
+    """
+    import torch
+
+    from otel_generate.models import build_model, load_model
+
+    dtype = torch_dtype(config.dtype)
+    if config.model is not None:
+        model, _ = load_model(config.model, dtype=dtype)
+        return model.to(device)
+    if config.model_config is not None:
+        import transformers
+
+        path = config.model_config
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        try:
+            with open(path, encoding="utf-8") as handle:
+                data = json.load(handle)
+            model_type = data.pop("model_type")
+        except (OSError, ValueError, KeyError) as exc:
+            raise BenchUsageError(f"--model-config {config.model_config!r}: not a transformers config.json ({exc})")
+        model_config = transformers.AutoConfig.for_model(model_type, **data)
+        cls = (
+            transformers.AutoModelForSeq2SeqLM
+            if getattr(model_config, "is_encoder_decoder", False)
+            else transformers.AutoModelForCausalLM
+        )
+        torch.manual_seed(config.seed)
+        with torch.device(device):
+            model = cls.from_config(model_config, **{_dtype_keyword(): dtype})
+        return model.to(device=device, dtype=dtype).eval()
+    model = build_model("gpt2", seed=config.seed)
+    return model.to(device=device, dtype=dtype)
+
+
+def model_description(config: BenchConfig, model: Any) -> str:
+    if config.model is not None:
+        return config.model
+    kind = type(model).__name__
+    source = f"config {config.model_config}" if config.model_config is not None else "built locally"
+    return f"{kind} (random weights, seed {config.seed}, {source})"
+
+
+def _as_ids(value: Any) -> List[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def special_token_ids(model: Any) -> List[int]:
+    """EOS, BOS and padding ids of the model's generation config and config."""
+    ids = set()
+    for source in (getattr(model, "generation_config", None), _text_config(model)):
+        for name in ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id"):
+            ids.update(_as_ids(getattr(source, name, None)))
+    return sorted(ids)
+
+
+def make_inputs(model: Any, batch_size: int, prompt_tokens: int, seed: int, avoid: Sequence[int] = ()) -> Dict[str, Any]:
+    """A random prompt of ``(batch_size, prompt_tokens)`` ids and its all-ones attention mask.
+
+    Ids are drawn with ``torch.Generator().manual_seed(seed)`` from the model's vocabulary minus
+    its special tokens (EOS, BOS, padding) and ``avoid``; the tensors are on the model's device.
+    """
+    import torch
+
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    excluded = set(special_token_ids(model)) | {int(i) for i in avoid}
+    allowed = torch.tensor([i for i in range(vocab) if i not in excluded], dtype=torch.long)
+    if allowed.numel() == 0:
+        raise BenchUsageError("the model's vocabulary holds only special tokens; cannot build a prompt")
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, allowed.numel(), (batch_size, prompt_tokens), generator=generator)
+    input_ids = allowed[picks].to(model.device)
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+
+def resolve_eos(config: BenchConfig, model: Any) -> Optional[List[int]]:
+    """The EOS ids that may stop generation: ``None`` (disabled, the default), the model's, or ``--eos ID``.
+
+    Raises:
+        BenchUsageError: ``--eos`` without an id for a model that has no EOS token, or an id
+            outside the vocabulary.
+    """
+    if config.eos is None:
+        return None
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    if config.eos == MODEL_EOS:
+        ids = _as_ids(getattr(model.generation_config, "eos_token_id", None))
+        if not ids:
+            raise BenchUsageError("--eos: the model has no EOS token id; give one, e.g. --eos 2")
+        return ids
+    token = int(config.eos)
+    if token >= vocab:
+        raise BenchUsageError(f"--eos {token} is outside the model's vocabulary (0..{vocab - 1})")
+    return [token]
+
+
+def generate_kwargs(model: Any, new_tokens: int, eos: Optional[List[int]]) -> Dict[str, Any]:
+    """Keywords of every timed ``generate()``: greedy, cache on, EOS only when asked for."""
+    kwargs: Dict[str, Any] = {
+        "max_new_tokens": new_tokens,
+        "do_sample": False,
+        "num_beams": 1,
+        "use_cache": True,
+        "eos_token_id": eos,
+    }
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    if pad is None and eos:
+        pad = eos[0]
+    if pad is not None:
+        kwargs["pad_token_id"] = pad
+    return kwargs
+
+
+def prompt_width(model: Any, inputs: Dict[str, Any]) -> int:
+    """Leading positions of the output that were not generated (decoder start token for encoder-decoders)."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        return 1
+    return int(inputs["input_ids"].shape[-1])
+
+
+def _sequences(output: Any) -> Any:
+    return output if hasattr(output, "dim") else output.sequences
+
+
+# --------------------------------------------------------------------------------------------
+# Samples and summaries
+# --------------------------------------------------------------------------------------------
+
+
+def make_sample(elapsed_s: float, new_tokens_per_sequence: Sequence[int]) -> Dict[str, Any]:
+    """One measured run: ``{"elapsed_s", "new_tokens", "tokens_per_s", "new_tokens_per_sequence"}``.
+
+    ``new_tokens`` is the sum over the returned sequences; ``tokens_per_s = new_tokens / elapsed_s``.
+
+    Raises:
+        ValueError: a non-positive elapsed time, no sequences, or a negative count.
+    """
+    if not elapsed_s > 0:
+        raise ValueError(f"elapsed_s must be positive, got {elapsed_s!r}")
+    counts = [int(c) for c in new_tokens_per_sequence]
+    if not counts:
+        raise ValueError("a sample needs the new-token count of at least one sequence")
+    if any(c < 0 for c in counts):
+        raise ValueError(f"new-token counts cannot be negative, got {counts}")
+    total = sum(counts)
+    return {
+        "elapsed_s": float(elapsed_s),
+        "new_tokens": total,
+        "tokens_per_s": total / elapsed_s,
+        "new_tokens_per_sequence": counts,
+    }
+
+
+def median_of(values: Sequence[Optional[float]]) -> Optional[float]:
+    """Median of the non-``None`` values, ``None`` when there are none."""
+    present = [float(v) for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def summarize(samples: Sequence[Dict[str, Any]]) -> Dict[str, Optional[float]]:
+    """Medians over the samples (elapsed s, tokens/s, TTFT ms, TPOT ms).
+
+    ``median_tokens_per_s`` is the median of the per-run rates (not total tokens / median time).
+
+    Raises:
+        ValueError: on no samples.
+    """
+    if not samples:
+        raise ValueError("no samples to summarize: at least one measured run is needed")
+    return {
+        "median_elapsed_s": median_of([s["elapsed_s"] for s in samples]),
+        "median_tokens_per_s": median_of([s["tokens_per_s"] for s in samples]),
+        "median_time_to_first_token_ms": median_of([s.get("time_to_first_token_ms") for s in samples]),
+        "median_time_per_output_token_ms": median_of([s.get("time_per_output_token_ms") for s in samples]),
+    }
+
+
+def _ms(seconds: Optional[float]) -> Optional[float]:
+    return None if seconds is None else seconds * 1e3
+
+
+# --------------------------------------------------------------------------------------------
+# Environment
+# --------------------------------------------------------------------------------------------
+
+
+def versions() -> Dict[str, str]:
+    """Versions of Python, torch, transformers, otel_generate and the OpenTelemetry SDK (if installed)."""
+    import torch
+    import transformers
+
+    from otel_generate.version import __version__
+
+    found = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "otel_generate": __version__,
+    }
+    try:
+        from importlib.metadata import version
+
+        found["opentelemetry_sdk"] = version("opentelemetry-sdk")
+    except Exception:
+        pass
+    return found
+
+
+def cpu_model() -> str:
+    """The CPU's ``model name`` from ``/proc/cpuinfo``, else ``platform.processor()``."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(device: str) -> Dict[str, Any]:
+    """Host facts; the GPU's name only when running on CUDA (the CPU path calls no CUDA function)."""
+    info: Dict[str, Any] = {
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "nproc": os.cpu_count(),
+    }
+    if device == "cuda":
+        import torch
+
+        info["gpu"] = torch.cuda.get_device_name(torch.cuda.current_device())
+    return info
+
+
+# --------------------------------------------------------------------------------------------
+# The runs
+# --------------------------------------------------------------------------------------------
+
+
+class _Runner:
+    """The model, its inputs and the one ``generate()`` call every run makes."""
+
+    def __init__(self, config: BenchConfig, device: str, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.config = config
+        self.device = device
+        self.clock = clock
+        self.model = build_bench_model(config, device)
+        check_lengths(config.prompt_tokens, config.new_tokens, max_positions(self.model))
+        self.eos = resolve_eos(config, self.model)
+        self.inputs = make_inputs(self.model, config.batch_size, config.prompt_tokens, config.seed)
+        self.kwargs = generate_kwargs(self.model, config.new_tokens, self.eos)
+        self.pad = self.kwargs.get("pad_token_id")
+        self.width = prompt_width(self.model, self.inputs)
+        self.synchronize = synchronizer_for(device)
+
+    def generate(self) -> Any:
+        return self.model.generate(**self.inputs, **self.kwargs)
+
+    def timed(self) -> "tuple[Any, float]":
+        """One complete ``generate()`` between two synchronized clock reads: ``(output, seconds)``."""
+        return timed_call(self.generate, self.synchronize, clock=self.clock)
+
+    def counts(self, output: Any) -> List[int]:
+        """Real new tokens per returned sequence (minus prompt, up to the first EOS, never padding)."""
+        return count_new_tokens(_sequences(output), self.width, self.eos, self.pad)
+
+
+def measure(runner: _Runner) -> List[Dict[str, Any]]:
+    """Warmup, then ``runs`` measured runs under a :class:`~otel_generate.TokenLatencyProfiler`.
+
+    Returns one sample per measured run: :func:`make_sample` plus the instrumentation's
+    ``time_to_first_token_ms``, ``time_per_output_token_ms``, ``step_latencies_ms`` and
+    ``step_tokens`` (milliseconds; tokens per sequence each step appended).
+    """
+    from otel_generate import TokenLatencyProfiler
+
+    config = runner.config
+    samples: List[Dict[str, Any]] = []
+    with TokenLatencyProfiler() as profiler:
+        for _ in range(config.warmup):
+            runner.generate()
+        for _ in range(config.runs):
+            before = len(profiler.records)
+            gc.collect()
+            output, elapsed = runner.timed()
+            sample = make_sample(elapsed, runner.counts(output))
+            new_records = profiler.records[before:]
+            record = new_records[-1] if new_records else None
+            if record is not None:
+                sample["time_to_first_token_ms"] = _ms(record.time_to_first_token_s)
+                sample["time_per_output_token_ms"] = _ms(record.time_per_output_token_s)
+                sample["step_latencies_ms"] = [lat * 1e3 for lat in record.step_latencies_s]
+                sample["step_tokens"] = list(record.step_tokens)
+            else:  # the instrumentation did not see the call (should not happen)
+                sample["time_to_first_token_ms"] = None
+                sample["time_per_output_token_ms"] = None
+                sample["step_latencies_ms"] = []
+                sample["step_tokens"] = []
+            samples.append(sample)
+    return samples
+
+
+def _discarding_exporter() -> Any:
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    class DiscardingSpanExporter(SpanExporter):
+        """Counts the spans it receives and drops them (the export cost of a real exporter is not measured)."""
+
+        def __init__(self) -> None:
+            self.spans = 0
+
+        def export(self, spans: Sequence[Any]) -> Any:
+            self.spans += len(spans)
+            return SpanExportResult.SUCCESS
+
+        def shutdown(self) -> None:
+            pass
+
+        def force_flush(self, timeout_millis: int = 30000) -> bool:
+            return True
+
+    return DiscardingSpanExporter()
+
+
+def _check_uninstrumented() -> None:
+    from otel_generate import GenerateInstrumentor
+
+    if GenerateInstrumentor().is_instrumented_by_opentelemetry:
+        raise BenchUsageError(
+            "--compare needs generate() uninstrumented to time the plain path; do not run it under "
+            "opentelemetry-instrument or while GenerateInstrumentor().instrument() is active"
+        )
+
+
+def compare(runner: _Runner) -> Dict[str, Any]:
+    """Plain vs instrumented ``generate()``, interleaved A B A B; ``runs`` pairs after ``warmup`` pairs.
+
+    Plain is the original ``GenerationMixin.generate`` (the instrumentor is uninstrumented, so
+    no wrapper runs at all); instrumented is ``GenerateInstrumentor().instrument()`` with an SDK
+    ``TracerProvider`` + ``BatchSpanProcessor`` + a discarding exporter and an SDK
+    ``MeterProvider`` (in-memory reader). Instrumenting and uninstrumenting happen outside the
+    timer; ``gc.collect()`` runs before every timed call on both sides.
+
+    Returns:
+        ``pairs``, ``plain_elapsed_s`` and ``instrumented_elapsed_s`` (lists, seconds),
+        ``paired_ratios`` (instrumented/plain per pair), ``median_paired_ratio``, ``steps``
+        (decode steps per run), ``added_us_per_step`` (per pair: (instrumented - plain) / steps,
+        microseconds), ``median_added_us_per_step``, ``spans_exported`` / ``spans_expected``,
+        ``outputs_identical`` and descriptions of both paths.
+
+    Raises:
+        BenchUsageError: generate() is already instrumented (e.g. under ``opentelemetry-instrument``),
+            so no plain path exists in this process.
+    """
+    import torch
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from otel_generate import GenerateInstrumentor
+
+    _check_uninstrumented()
+    instrumentor = GenerateInstrumentor()
+    exporter = _discarding_exporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
+    meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
+
+    def plain() -> "tuple[Any, float]":
+        gc.collect()
+        return runner.timed()
+
+    def instrumented() -> "tuple[Any, float]":
+        instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider, skip_dep_check=True)
+        try:
+            gc.collect()
+            return runner.timed()
+        finally:
+            instrumentor.uninstrument()
+
+    config = runner.config
+    try:
+        for _ in range(config.warmup):
+            plain()
+            instrumented()
+        tracer_provider.force_flush()
+        spans_before = exporter.spans
+        plain_s: List[float] = []
+        instr_s: List[float] = []
+        steps: List[int] = []
+        identical = True
+        for _ in range(config.runs):
+            out_a, elapsed_a = plain()
+            out_b, elapsed_b = instrumented()
+            plain_s.append(elapsed_a)
+            instr_s.append(elapsed_b)
+            seq_a, seq_b = _sequences(out_a), _sequences(out_b)
+            identical = identical and seq_a.shape == seq_b.shape and bool(torch.equal(seq_a, seq_b))
+            # decode steps = loop iterations = the longest sequence's new tokens (greedy: 1 token/step)
+            steps.append(max(runner.counts(out_a)))
+        tracer_provider.force_flush()
+        spans_exported = exporter.spans - spans_before
+    finally:
+        tracer_provider.shutdown()
+        meter_provider.shutdown()
+    from otel_generate import DEFAULT_MAX_STEP_SPANS, ENV_MAX_STEP_SPANS, _env_int
+
+    max_step_spans = _env_int(ENV_MAX_STEP_SPANS, DEFAULT_MAX_STEP_SPANS)  # what instrument() used
+    ratios = [b / a for a, b in zip(plain_s, instr_s)]
+    added = [(b - a) / n * 1e6 for a, b, n in zip(plain_s, instr_s, steps)]
+    return {
+        "pairs": config.runs,
+        "order": "A B A B (plain, then instrumented, per pair)",
+        "plain": "GenerationMixin.generate uninstrumented (the original function; no wrapper runs)",
+        "instrumented": (
+            "GenerateInstrumentor().instrument(tracer_provider=SDK TracerProvider + BatchSpanProcessor + "
+            "discarding SpanExporter, meter_provider=SDK MeterProvider + InMemoryMetricReader)"
+        ),
+        "plain_elapsed_s": plain_s,
+        "instrumented_elapsed_s": instr_s,
+        "paired_ratios": ratios,
+        "median_paired_ratio": statistics.median(ratios),
+        "steps": steps,
+        "added_us_per_step": added,
+        "median_added_us_per_step": statistics.median(added),
+        "median_plain_elapsed_s": statistics.median(plain_s),
+        "median_instrumented_elapsed_s": statistics.median(instr_s),
+        "spans_exported": spans_exported,
+        "max_step_spans": max_step_spans,
+        # per run: the request span + one span per step (at most max_step_spans)
+        "spans_expected": sum(1 + min(n, max_step_spans) for n in steps),
+        "outputs_identical": identical,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Plot, summary, output
+# --------------------------------------------------------------------------------------------
+
+
+def plot_latencies(result: Dict[str, Any], path: str) -> None:
+    """Write a PNG of the per-token latency of the measured runs (matplotlib's Agg canvas).
+
+    x: token index in the continuation (of the step's first token), y: step latency in
+    milliseconds; one line per run; the first token (the prefill step) is marked.
+
+    Raises:
+        BenchUsageError: matplotlib is not installed.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise BenchUsageError("--plot needs matplotlib, which is not installed: pip install 'otel-generate[plot]'") from None
+
+    figure = Figure(figsize=(8, 4.5), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot(1, 1, 1)
+    first_marked = False
+    many = len(result["samples"]) > 8
+    for run, sample in enumerate(result["samples"]):
+        latencies = sample.get("step_latencies_ms") or []
+        tokens = sample.get("step_tokens") or [1] * len(latencies)
+        if not latencies:
+            continue
+        index, xs = 0, []
+        for count in tokens:
+            xs.append(index)
+            index += count
+        label = (f"measured runs ({len(result['samples'])})" if run == 0 else None) if many else f"run {run + 1}"
+        axes.plot(xs, latencies, linewidth=1, alpha=0.8, label=label)
+        axes.plot(
+            [xs[0]], [latencies[0]], linestyle="none", marker="o", color="red", markersize=7,
+            label=None if first_marked else "first token (prefill)",
+        )
+        first_marked = True
+    axes.set_xlabel("token index")
+    axes.set_ylabel("latency (ms)")
+    axes.set_title(
+        f"per-token latency: {result.get('model', '')}\n{result['device']}, {result['dtype']}, "
+        f"{result['threads']} thread(s), batch {result['batch_size']}, prompt {result['prompt_tokens']} tokens",
+        fontsize=9,
+    )
+    axes.set_ylim(bottom=0)
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=8, loc="upper right")
+    figure.tight_layout()
+    figure.savefig(path, format="png")
+
+
+def summary_text(result: Dict[str, Any]) -> str:
+    """The human-readable summary printed on stderr."""
+
+    def num(value: Optional[float], fmt: str) -> str:
+        return "n/a" if value is None else format(value, fmt)
+
+    samples = result["samples"]
+    elapsed = [s["elapsed_s"] for s in samples]
+    rates = [s["tokens_per_s"] for s in samples]
+    tokens = sorted({s["new_tokens"] for s in samples})
+    lines = [
+        f"otel-generate bench: {result['model']}",
+        f"  device {result['device']}, {result['dtype']}, {result['threads']} thread(s), "
+        f"{result['parameters']:,} parameters",
+        f"  prompt {result['prompt_tokens']} tokens x batch {result['batch_size']}, "
+        f"{result['new_tokens_requested']} new tokens requested (EOS {'on' if result['eos_token_id'] else 'off'}), "
+        f"warmup {result['warmup']}, runs {result['runs']}",
+        f"  new tokens per run: {', '.join(map(str, tokens))}",
+        f"  elapsed      median {result['median_elapsed_s'] * 1e3:.3f} ms "
+        f"(min {min(elapsed) * 1e3:.3f}, max {max(elapsed) * 1e3:.3f})",
+        f"  tokens/s     median {result['median_tokens_per_s']:.1f} (min {min(rates):.1f}, max {max(rates):.1f})",
+        f"  time to first token    median {num(result['median_time_to_first_token_ms'], '.3f')} ms",
+        f"  time per output token  median {num(result['median_time_per_output_token_ms'], '.3f')} ms",
+    ]
+    cmp = result.get("compare")
+    if cmp:
+        lines += [
+            f"  compare ({cmp['pairs']} pairs, A B A B): median paired ratio instrumented/plain "
+            f"{cmp['median_paired_ratio']:.4f}, added {cmp['median_added_us_per_step']:.1f} us per step (median)",
+            f"    plain median {cmp['median_plain_elapsed_s'] * 1e3:.3f} ms, instrumented median "
+            f"{cmp['median_instrumented_elapsed_s'] * 1e3:.3f} ms; spans exported {cmp['spans_exported']} "
+            f"(expected {cmp['spans_expected']}); outputs identical: {cmp['outputs_identical']}",
+        ]
+    return "\n".join(lines)
+
+
+def _write_atomically(path: str, write: Callable[[str], None]) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    suffix = os.path.splitext(path)[1]
+    fd, tmp = tempfile.mkstemp(prefix=".otel-generate-", suffix=suffix, dir=directory)
+    os.close(fd)
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> Dict[str, Any]:
+    """Validate, build, warm up, measure (and compare); return the result document.
+
+    Nothing is written here (see :func:`main_bench`). ``torch``'s CPU thread count is set to
+    ``config.threads`` for the run and restored afterwards.
+
+    Raises:
+        BenchUsageError: invalid input (see :meth:`BenchConfig.validate`, :func:`resolve_device`,
+            :func:`check_lengths`, :func:`resolve_eos`).
+        ValueError: a timed call whose clock did not advance.
+    """
+    config.validate()
+    device = resolve_device(config.device)
+    if config.compare:
+        _check_uninstrumented()
+    import torch
+
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    try:
+        runner = _Runner(config, device, clock=clock)
+        samples = measure(runner)
+        result: Dict[str, Any] = {
+            "versions": versions(),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": list(config.argv),
+            # settings the instrumentation reads from the environment (e.g. OTEL_GENERATE_MAX_STEP_SPANS)
+            "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("OTEL_GENERATE_")},
+            "machine": machine(device),
+            "model": model_description(config, runner.model),
+            "device": str(runner.model.device),
+            "dtype": config.dtype,
+            "parameters": int(sum(p.numel() for p in runner.model.parameters())),
+            "prompt_tokens": config.prompt_tokens,
+            "new_tokens_requested": config.new_tokens,
+            "batch_size": config.batch_size,
+            "warmup": config.warmup,
+            "runs": config.runs,
+            "threads": torch.get_num_threads(),
+            "seed": config.seed,
+            "eos_token_id": runner.eos,
+            "synchronize": f"{device} synchronize before each clock read" if runner.synchronize is not None
+            else "none needed (cpu: eager work has finished when ops return)",
+            "timer": "time.perf_counter around one complete generate(), synchronized before and after",
+            "samples": samples,
+        }
+        result.update(summarize(samples))
+        if config.compare:
+            result["compare"] = compare(runner)
+        return result
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def main_bench(config: BenchConfig, stdout: Any = None, stderr: Any = None) -> int:
+    """Run, then write ``--plot`` and ``--output`` (each atomically) and the summary on stderr.
+
+    Returns 0. Raises :class:`BenchUsageError` on invalid input, before anything is written.
+    """
+    stdout = stdout if stdout is not None else sys.stdout
+    stderr = stderr if stderr is not None else sys.stderr
+    result = run(config)
+    text = json.dumps(result, indent=2)
+    if config.plot is not None:
+        _write_atomically(config.plot, lambda tmp: plot_latencies(result, tmp))
+    if config.output == "-":
+        stdout.write(text + "\n")
+        stdout.flush()
+    elif config.output is not None:
+        def write_json(tmp: str) -> None:
+            with open(tmp, "w", encoding="utf-8") as handle:
+                handle.write(text + "\n")
+
+        _write_atomically(config.output, write_json)
+    print(summary_text(result), file=stderr)
+    if config.plot is not None:
+        print(f"  plot written to {config.plot}", file=stderr)
+    if config.output not in (None, "-"):
+        print(f"  JSON written to {config.output}", file=stderr)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` subcommand's options."""
+    parser.add_argument("--device", choices=DEVICES, default="cpu",
+                        help="where to run: cpu, cuda, or auto (cuda if available, else cpu); default cpu")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", metavar="PATH",
+                        help="local checkpoint directory (from_pretrained, local files only); "
+                             "default: a small random-weight GPT-2-architecture model built locally")
+    source.add_argument("--model-config", metavar="PATH",
+                        help="random-weight model of this transformers config.json (a file or a directory "
+                             "holding one), initialised on the device; nothing is downloaded")
+    parser.add_argument("--prompt-tokens", type=int, default=4, metavar="N", help="prompt length in tokens (default 4)")
+    parser.add_argument("--new-tokens", type=int, default=8, metavar="N", help="max_new_tokens (default 8)")
+    parser.add_argument("--batch-size", type=int, default=1, metavar="N", help="prompts per generate() call (default 1)")
+    parser.add_argument("--warmup", type=int, default=2, metavar="N", help="unmeasured runs first (default 2)")
+    parser.add_argument("--runs", type=int, default=5, metavar="N",
+                        help="measured runs (default 5); with --compare also the number of A/B pairs")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype (default float32)")
+    parser.add_argument("--threads", type=int, default=1, metavar="N",
+                        help="torch CPU threads, torch.set_num_threads (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and the prompt (default 0)")
+    parser.add_argument("--eos", nargs="?", const=MODEL_EOS, default=None, metavar="TOKEN_ID",
+                        help="let EOS stop generation: the model's EOS id, or TOKEN_ID if given "
+                             "(default: EOS disabled, every run generates --new-tokens tokens)")
+    parser.add_argument("--output", metavar="PATH", help="write the JSON result here ('-' for stdout)")
+    parser.add_argument("--plot", metavar="PATH.png",
+                        help="write a PNG of per-token latency of the measured runs (needs matplotlib)")
+    parser.add_argument("--compare", action="store_true",
+                        help="also time plain vs instrumented generate(), interleaved A B A B, --runs pairs")
+
+
+def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> BenchConfig:
+    return BenchConfig(
+        device=args.device,
+        model=args.model,
+        model_config=args.model_config,
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        batch_size=args.batch_size,
+        warmup=args.warmup,
+        runs=args.runs,
+        dtype=args.dtype,
+        threads=args.threads,
+        seed=args.seed,
+        eos=args.eos,
+        output=args.output,
+        plot=args.plot,
+        compare=args.compare,
+        argv=list(argv),
+    )

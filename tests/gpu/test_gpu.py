@@ -1,0 +1,176 @@
+"""Checks that need a CUDA device (marked ``gpu``; skipped where ``torch.cuda.is_available()`` is false).
+
+Run them with ``tests/gpu/run_gpu_checks.sh`` (or ``python -m pytest -m gpu tests/gpu -s``). They
+use a random-weight Llama-architecture model of about 1.1B parameters in bfloat16 (the shape of
+TinyLlama-1.1B; nothing is downloaded):
+
+* the synchronization really happens per step: ``torch.cuda.synchronize`` is called at every
+  step boundary, and each step latency the instrumentation reports agrees within 5 % with a
+  CUDA-event timing of the same step (events recorded by a user stopping criterion, which
+  transformers calls right before the instrumentation's own criterion);
+* the step latencies add up to the request span's duration within 2 %;
+* ``otel-generate bench`` on CUDA synchronizes around every timed call.
+
+Each test prints its measurements (``-s`` shows them).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from otel_generate import TokenLatencyProfiler
+from otel_generate import attributes as A
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+#: A Llama-architecture config of about 1.1B parameters (TinyLlama-1.1B's shape), random weights.
+LLAMA_1B_CONFIG = {
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 22,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+PROMPT_TOKENS = 128
+NEW_TOKENS = 32
+STEP_TOLERANCE = 0.05  # step latency vs CUDA events, relative
+SPAN_TOLERANCE = 0.02  # sum of step latencies vs request span duration, relative
+
+
+@pytest.fixture(scope="module")
+def llama_1b():
+    import transformers
+
+    from otel_generate.bench import _dtype_keyword
+
+    data = dict(LLAMA_1B_CONFIG)
+    config = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # initialised on the GPU, in bfloat16
+        model = transformers.AutoModelForCausalLM.from_config(config, **{_dtype_keyword(): torch.bfloat16})
+    model = model.to(device="cuda", dtype=torch.bfloat16).eval()
+    print(f"\nmodel: LlamaForCausalLM, {sum(p.numel() for p in model.parameters()) / 1e9:.3f}B parameters, "
+          f"bfloat16, {torch.cuda.get_device_name()}")
+    return model
+
+
+def prompt(model, batch=1, length=PROMPT_TOKENS, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (batch, length), generator=generator).to(model.device)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def generate(model, inputs, **kwargs):
+    return model.generate(
+        **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs
+    )
+
+
+class CudaEventMarks(StoppingCriteria):
+    """Records a CUDA timing event at every step boundary (transformers calls user criteria first)."""
+
+    def __init__(self):
+        self.events = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.events.append(event)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def test_step_latencies_agree_with_cuda_events_of_the_same_steps(llama_1b, monkeypatch):
+    inputs = prompt(llama_1b)
+    for _ in range(2):
+        generate(llama_1b, inputs)  # warmup: kernels, allocator
+    synchronize_calls = []
+    real_synchronize = torch.cuda.synchronize
+
+    def counting_synchronize(*args, **kwargs):
+        synchronize_calls.append(args)
+        return real_synchronize(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", counting_synchronize)
+    marks = CudaEventMarks()
+    start = torch.cuda.Event(enable_timing=True)
+    gc.collect()
+    gc.disable()
+    try:
+        with TokenLatencyProfiler() as profiler:
+            real_synchronize()
+            start.record()
+            out = generate(llama_1b, inputs, stopping_criteria=StoppingCriteriaList([marks]))
+        real_synchronize()
+    finally:
+        gc.enable()
+    record = profiler.records[-1]
+    assert out.shape[-1] - PROMPT_TOKENS == NEW_TOKENS
+    assert record.synchronized and record.device == "cuda:0"
+    assert len(record.step_latencies_s) == len(marks.events) == NEW_TOKENS
+    # the instrumentation waited for the device at the start, at every step boundary and at the end
+    assert len(synchronize_calls) >= NEW_TOKENS + 2
+
+    bounds = [start] + marks.events
+    event_ms = [a.elapsed_time(b) for a, b in zip(bounds, bounds[1:])]
+    host_ms = [s * 1e3 for s in record.step_latencies_s]
+    print(f"\n{'step':>4} {'instrumentation ms':>19} {'CUDA events ms':>15} {'difference':>11}")
+    bad = []
+    for i, (h, e) in enumerate(zip(host_ms, event_ms)):
+        rel = (h - e) / e
+        print(f"{i:>4} {h:>19.3f} {e:>15.3f} {rel:>+10.2%}")
+        if abs(rel) > STEP_TOLERANCE:
+            bad.append((i, h, e))
+    print(f"sum: instrumentation {sum(host_ms):.3f} ms, CUDA events {sum(event_ms):.3f} ms")
+    assert not bad, f"steps off by more than {STEP_TOLERANCE:.0%} from CUDA events: {bad}"
+
+
+def test_step_latencies_add_up_to_the_request_span(llama_1b, instrumented, span_exporter):
+    inputs = prompt(llama_1b)
+    generate(llama_1b, inputs)  # warmup
+    span_exporter.clear()
+    gc.collect()
+    out = generate(llama_1b, inputs)
+    assert out.shape[-1] - PROMPT_TOKENS == NEW_TOKENS
+    spans = span_exporter.get_finished_spans()
+    request = next(s for s in spans if s.name.startswith(A.OPERATION_TEXT_COMPLETION + " "))
+    steps = [s for s in spans if s.name in (A.STEP_SPAN_PREFILL, A.STEP_SPAN_DECODE)]
+    assert request.attributes[A.GENERATE_SYNCHRONIZED] is True
+    assert request.attributes[A.GENERATE_DEVICE] == "cuda:0"
+    assert len(steps) == NEW_TOKENS
+    duration_ms = (request.end_time - request.start_time) / 1e6
+    step_sum_ms = sum(s.attributes[A.GENERATE_STEP_LATENCY_MS] for s in steps)
+    rel = (duration_ms - step_sum_ms) / duration_ms
+    print(f"\nrequest span {duration_ms:.3f} ms, sum of {len(steps)} step latencies {step_sum_ms:.3f} ms, "
+          f"difference {rel:+.2%}")
+    assert abs(rel) <= SPAN_TOLERANCE
+
+
+def test_bench_on_cuda_synchronizes_around_every_timed_call(monkeypatch):
+    from otel_generate import bench
+
+    calls = []
+    real_synchronize = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: (calls.append(a), real_synchronize(*a, **k)))
+    result = bench.run(bench.BenchConfig(device="cuda", new_tokens=8, warmup=1, runs=2))
+    assert result["device"].startswith("cuda") and result["machine"]["gpu"]
+    assert [s["new_tokens"] for s in result["samples"]] == [8, 8]
+    # per measured run: 2 by the harness (before and after), and the instrumentation's per step
+    assert len(calls) >= 2 * (2 + 8)
+    print(f"\nbench on {result['machine']['gpu']}: median {result['median_tokens_per_s']:.1f} tokens/s, "
+          f"TTFT {result['median_time_to_first_token_ms']:.3f} ms, TPOT {result['median_time_per_output_token_ms']:.3f} ms")
