@@ -40,6 +40,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from otel_generate import clock
 from otel_generate._recorder import StepRecorder
+from otel_generate.bench import cpu_model
 from otel_generate.version import __version__
 
 TARGET_US = 5.0
@@ -161,7 +162,7 @@ def run(
             "transformers": transformers.__version__,
             "otel_generate": __version__,
         },
-        "machine": {"platform": platform.platform(), "cpu": _cpu_model(), "nproc": os.cpu_count()},
+        "machine": {"platform": platform.platform(), "cpu": cpu_model(), "nproc": os.cpu_count()},
         "threads": threads,
         "repeats": repeats,
         "calls_per_repeat": calls,
@@ -171,17 +172,6 @@ def run(
         "hook_us": {name: r["hook_us"] for name, r in results.items()},
         "within_target": all(r["hook_us"] <= TARGET_US for r in results.values()),
     }
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def summary(result: Dict[str, Any]) -> str:

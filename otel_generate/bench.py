@@ -227,14 +227,6 @@ def check_lengths(prompt_tokens: int, new_tokens: int, positions: Optional[int])
         )
 
 
-def _dtype_keyword() -> str:
-    """``from_config``/``from_pretrained`` take ``dtype`` from transformers 4.56, ``torch_dtype`` before."""
-    import transformers
-
-    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
-    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-
-
 def build_bench_model(config: BenchConfig, device: str) -> Any:
     """Build or load the model and place it on ``device`` in ``config.dtype`` (eval mode).
 
@@ -245,7 +237,7 @@ def build_bench_model(config: BenchConfig, device: str) -> Any:
     """
     import torch
 
-    from otel_generate.models import build_model, load_model
+    from otel_generate.models import build_model, dtype_keyword, load_model
 
     dtype = torch_dtype(config.dtype)
     if config.model is not None:
@@ -271,7 +263,7 @@ def build_bench_model(config: BenchConfig, device: str) -> Any:
         )
         torch.manual_seed(config.seed)
         with torch.device(device):
-            model = cls.from_config(model_config, **{_dtype_keyword(): dtype})
+            model = cls.from_config(model_config, **{dtype_keyword(): dtype})
         return model.to(device=device, dtype=dtype).eval()
     model = build_model("gpt2", seed=config.seed)
     return model.to(device=device, dtype=dtype)

@@ -63,6 +63,14 @@ def build_model(architecture: str = "gpt2", seed: int = 0, max_positions: int = 
     return model
 
 
+def dtype_keyword() -> str:
+    """The dtype keyword of ``from_pretrained``/``from_config``: ``dtype`` from transformers 4.56, ``torch_dtype`` before."""
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
 def load_model(path: str, dtype: Optional[Any] = None) -> Tuple[Any, Any]:
     """Load a causal LM (and its tokenizer, if the directory has one) from a local directory.
 
@@ -78,8 +86,7 @@ def load_model(path: str, dtype: Optional[Any] = None) -> Tuple[Any, Any]:
         raise FileNotFoundError(f"model path {path!r} does not exist or is not a directory")
     kwargs = {"local_files_only": True}
     if dtype is not None:
-        # transformers 5 renamed from_pretrained's ``torch_dtype`` to ``dtype``
-        kwargs["dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"] = dtype
+        kwargs[dtype_keyword()] = dtype
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     cls = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
     model = cls.from_pretrained(path, **kwargs).eval()

@@ -3,6 +3,8 @@ and tiny random-weight models (no network)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from opentelemetry.sdk.metrics import MeterProvider
@@ -92,3 +94,17 @@ def uninstrumented_generate(model, *args, **kwargs):
 
     with suppress_instrumentation():  # also nested generate() calls (an assistant model's)
         return generate(model, *args, **kwargs)
+
+
+def console_spans(text):
+    """Every span object the SDK's ConsoleSpanExporter printed in ``text``, in order (other output is skipped)."""
+    decoder, spans, index = json.JSONDecoder(), [], 0
+    while (start := text.find("{", index)) >= 0:
+        try:
+            obj, index = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            index = start + 1
+            continue
+        if isinstance(obj, dict) and "context" in obj and "name" in obj:
+            spans.append(obj)
+    return spans

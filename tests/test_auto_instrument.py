@@ -12,25 +12,9 @@ import pytest
 
 from otel_generate import attributes as A
 
+from conftest import console_spans
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def console_spans(text):
-    """Every JSON object the ConsoleSpanExporter printed, in order (other lines are skipped)."""
-    decoder = json.JSONDecoder()
-    spans, index = [], 0
-    while True:
-        start = text.find("{", index)
-        if start < 0:
-            return spans
-        try:
-            obj, end = decoder.raw_decode(text, start)
-        except json.JSONDecodeError:
-            index = start + 1
-            continue
-        if isinstance(obj, dict) and "context" in obj and "name" in obj:
-            spans.append(obj)
-        index = end
 
 
 def test_opentelemetry_instrument_prints_request_and_step_spans():

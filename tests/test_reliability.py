@@ -58,7 +58,7 @@ from otel_generate import GenerateInstrumentor, _recorder, _request, clock
 from otel_generate import attributes as A
 from otel_generate.models import build_model
 
-from conftest import prompt, request_spans, step_spans, uninstrumented_generate
+from conftest import console_spans, prompt, request_spans, step_spans, uninstrumented_generate
 
 LOGGER = "otel_generate"
 
@@ -646,19 +646,6 @@ for new_tokens in (3, 5):
 """
 
 
-def _json_objects(text):
-    decoder, found, index = json.JSONDecoder(), [], 0
-    while (start := text.find("{", index)) >= 0:
-        try:
-            obj, index = decoder.raw_decode(text, start)
-        except json.JSONDecodeError:
-            index = start + 1
-            continue
-        if isinstance(obj, dict) and "context" in obj and "name" in obj:
-            found.append(obj)
-    return found
-
-
 @pytest.mark.parametrize("auto", ["enabled", "disabled"])
 def test_opentelemetry_instrument_plus_manual_instrument_gives_one_request_span_per_call(auto, tmp_path):
     """Under ``opentelemetry-instrument`` the app's own ``instrument()`` call adds nothing.
@@ -681,7 +668,7 @@ def test_opentelemetry_instrument_plus_manual_instrument_gives_one_request_span_
     assert done.returncode == 0, done.stderr
     if auto == "enabled":  # BaseInstrumentor's warning for the app's own, second, call
         assert "already instrumented" in done.stderr
-    spans = _json_objects(done.stdout)
+    spans = console_spans(done.stdout)
     apps = {s["name"]: s for s in spans if s["name"].startswith("handle_request")}
     requests = [s for s in spans if s["name"].startswith("text_completion ")]
     assert set(apps) == {"handle_request 3", "handle_request 5"}

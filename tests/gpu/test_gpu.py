@@ -57,13 +57,13 @@ SPAN_TOLERANCE = 0.02  # sum of step latencies vs request span duration, relativ
 def llama_1b():
     import transformers
 
-    from otel_generate.bench import _dtype_keyword
+    from otel_generate.models import dtype_keyword
 
     data = dict(LLAMA_1B_CONFIG)
     config = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
     torch.manual_seed(0)
     with torch.device("cuda"):  # initialised on the GPU, in bfloat16
-        model = transformers.AutoModelForCausalLM.from_config(config, **{_dtype_keyword(): torch.bfloat16})
+        model = transformers.AutoModelForCausalLM.from_config(config, **{dtype_keyword(): torch.bfloat16})
     model = model.to(device="cuda", dtype=torch.bfloat16).eval()
     print(f"\nmodel: LlamaForCausalLM, {sum(p.numel() for p in model.parameters()) / 1e9:.3f}B parameters, "
           f"bfloat16, {torch.cuda.get_device_name()}")
