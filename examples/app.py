@@ -32,14 +32,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=4, help="random prompt length for the built model")
     parser.add_argument("--new-tokens", type=int, default=8, help="max_new_tokens")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1, so the thread count is never an implicit variable)")
     args = parser.parse_args(argv)
     if args.prompt_tokens < 1 or args.new_tokens < 1:
         parser.error("--prompt-tokens and --new-tokens must be at least 1")
+    if args.threads < 1:
+        parser.error("--threads must be at least 1")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     tokenizer = None
     if args.model:
         try:
@@ -52,7 +57,8 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     if tokenizer is not None:
         inputs = dict(tokenizer(args.prompt, return_tensors="pt"))
-    else:
+    if tokenizer is None or inputs["input_ids"].shape[-1] == 0:
+        tokenizer = None
         ids = torch.randint(1, model.config.vocab_size - 1, (1, args.prompt_tokens))
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     inputs = {k: v.to(model.device) for k, v in inputs.items()}

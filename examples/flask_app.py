@@ -24,6 +24,7 @@ trace id in hex so you can look the trace up in your backend.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import threading
 from typing import Any, Optional
@@ -99,6 +100,8 @@ def main(argv=None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args(argv)
+    # `kill` (SIGTERM) exits like Ctrl+C, so the SDK's exit handlers flush the queued spans
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     # opentelemetry-instrument has instrumented Flask and generate() before this module ran
     create_app(instrument_flask=False).run(host=args.host, port=args.port)
     return 0

@@ -80,7 +80,14 @@ _PATCHED = ("generate", "_prepare_generated_length", "_get_stopping_criteria")
 _OPTIONS = ("tracer_provider", "meter_provider", "synchronize", "max_step_spans")
 
 _TRUE = {"1", "true", "yes", "on"}
+_warned_env: set = set()  # (variable, value) pairs already reported: one warning per process
 _FALSE = {"0", "false", "no", "off"}
+
+
+def _warn_env(name: str, raw: str, expected: str, default: Any) -> None:
+    if (name, raw) not in _warned_env:
+        _warned_env.add((name, raw))
+        _LOG.warning("otel_generate: %s=%r is not %s; using the default %s", name, raw, expected, default)
 
 
 def _env_bool(name: str, default: bool) -> bool:
@@ -92,7 +99,7 @@ def _env_bool(name: str, default: bool) -> bool:
         return True
     if value in _FALSE:
         return False
-    _LOG.warning("otel_generate: %s=%r is not a boolean (true/false); using the default %s", name, raw, default)
+    _warn_env(name, raw, "a boolean (true/false)", default)
     return default
 
 
@@ -105,7 +112,7 @@ def _env_int(name: str, default: int) -> int:
         if value < 0:
             raise ValueError
     except ValueError:
-        _LOG.warning("otel_generate: %s=%r is not a non-negative integer; using the default %d", name, raw, default)
+        _warn_env(name, raw, "a non-negative integer", default)
         return default
     return value
 

@@ -150,7 +150,7 @@ class BenchConfig:
                 import matplotlib  # noqa: F401
             except ImportError:
                 raise BenchUsageError(
-                    "--plot needs matplotlib, which is not installed: pip install 'otel-generate[plot]'"
+                    "--plot needs matplotlib, which is not installed: pip install matplotlib (the package's [plot] extra)"
                 ) from None
 
 
@@ -692,7 +692,7 @@ def plot_latencies(result: Dict[str, Any], path: str) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise BenchUsageError("--plot needs matplotlib, which is not installed: pip install 'otel-generate[plot]'") from None
+        raise BenchUsageError("--plot needs matplotlib, which is not installed: pip install matplotlib (the package's [plot] extra)") from None
 
     figure = Figure(figsize=(8, 4.5), dpi=100)
     FigureCanvasAgg(figure)

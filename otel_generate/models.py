@@ -75,7 +75,7 @@ def load_model(path: str, dtype: Optional[Any] = None) -> Tuple[Any, Any]:
     """Load a causal LM (and its tokenizer, if the directory has one) from a local directory.
 
     Returns:
-        ``(model, tokenizer_or_None)``.
+        ``(model, tokenizer_or_None)``: ``None`` when the directory holds no (non-empty) tokenizer.
 
     Raises:
         FileNotFoundError: when ``path`` is not an existing directory.
@@ -94,4 +94,6 @@ def load_model(path: str, dtype: Optional[Any] = None) -> Tuple[Any, Any]:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception:
         tokenizer = None
+    if tokenizer is not None and len(tokenizer) == 0:
+        tokenizer = None  # transformers 5 returns an empty tokenizer for a folder without tokenizer files
     return model, tokenizer

@@ -20,8 +20,9 @@ def run_app(*args):
                           cwd=str(ROOT))
 
 
-def test_app_loads_a_local_checkpoint_with_from_pretrained(tmp_path):
-    model = build_model("llama", seed=3)
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])  # gpt2: transformers 5 finds an empty tokenizer
+def test_app_loads_a_local_checkpoint_with_from_pretrained(tmp_path, architecture):
+    model = build_model(architecture, seed=3)
     model.save_pretrained(tmp_path)
     done = run_app("--model", str(tmp_path), "--new-tokens", "4", "--prompt-tokens", "3", "--seed", "1")
     assert done.returncode == 0, done.stderr

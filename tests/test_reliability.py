@@ -125,6 +125,7 @@ def fresh_fault_log(monkeypatch):
 
 @pytest.fixture
 def no_package_env(monkeypatch):
+    monkeypatch.setattr(otel_generate, "_warned_env", set())  # each test sees its own first warning
     for name in ("OTEL_GENERATE_SYNCHRONIZE", "OTEL_GENERATE_MAX_STEP_SPANS", "OTEL_BSP_MAX_QUEUE_SIZE",
                  "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "OTEL_ATTRIBUTE_COUNT_LIMIT", "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT",
                  "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT"):
@@ -786,6 +787,16 @@ def test_unparsable_environment_value_warns_once_and_uses_the_default(
     request = only_request(span_exporter)
     assert request.attributes[A.GENERATE_SYNCHRONIZED] is True
     assert len(step_spans(span_exporter, request)) == 3
+
+
+def test_unparsable_environment_value_is_reported_once_per_process(no_package_env, monkeypatch, caplog,
+                                                                    tracer_provider):
+    monkeypatch.setenv("OTEL_GENERATE_MAX_STEP_SPANS", "lots")
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for _ in range(3):  # e.g. three profilers, each turning the instrumentation on and off
+            with instrumentation(tracer_provider=tracer_provider):
+                pass
+    assert len(warnings_from_package(caplog)) == 1
 
 
 @pytest.mark.parametrize("variable, value, option, parsed", [
