@@ -42,6 +42,8 @@ turns all per-step work off.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 from typing import Any, Collection, Dict, Optional
@@ -151,8 +153,6 @@ def _resolve_options(kwargs: Dict[str, Any]) -> Dict[str, Any]:
 
 def _assisted_calls_criteria_on_candidates(mixin: Any) -> bool:
     """transformers < 4.47 calls the stopping criteria on the candidate tokens too (not a step)."""
-    import inspect
-
     try:
         return "stopping_criteria(candidate_input_ids" in inspect.getsource(mixin._assisted_decoding)
     except (OSError, TypeError, AttributeError):
@@ -194,10 +194,17 @@ def _generate_wrapper(telemetry: Telemetry):
         callback = extras.get(CALLBACK_KWARG)
         if callback is not None and not callable(callback):
             raise TypeError(f"{CALLBACK_KWARG} must be callable as fn(token_index, latency_s), got {callback!r}")
+        model, model_args = instance, args
+        if model is None and args:  # called through the class: GenerationMixin.generate(model, ...)
+            model, model_args = args[0], args[1:]
         active = _ACTIVE.get()
-        if active is not None:
+        if active is _NESTED or (
+            isinstance(active, GenerateRequest)
+            and (model is active.model or model is active.kwargs.get("assistant_model"))
+        ):
             # super().generate() from an overriding model, or an assistant model's generate():
-            # part of the outer request, not a request of its own.
+            # part of the outer request, not a request of its own. Another model's generate()
+            # called meanwhile (say from a logits processor) is a request of its own.
             token = _ACTIVE.set(_NESTED)
             try:
                 return wrapped(*args, **kwargs)
@@ -205,9 +212,6 @@ def _generate_wrapper(telemetry: Telemetry):
                 _ACTIVE.reset(token)
         if not is_instrumentation_enabled():
             return wrapped(*args, **kwargs)
-        model, model_args = instance, args
-        if model is None and args:  # called through the class: GenerationMixin.generate(model, ...)
-            model, model_args = args[0], args[1:]
         try:
             request = GenerateRequest(telemetry, model, model_args, kwargs, extras)
         except Exception as fault:
@@ -226,6 +230,20 @@ def _generate_wrapper(telemetry: Telemetry):
     return wrapper
 
 
+@functools.lru_cache(maxsize=None)
+def _cached_signature(function: Any) -> inspect.Signature:
+    return inspect.signature(function)
+
+
+def _signature(bound_method: Any) -> inspect.Signature:
+    """The signature of a bound method without ``self`` (cached per function)."""
+    function = getattr(bound_method, "__func__", None)
+    if function is None:
+        return inspect.signature(bound_method)
+    parameters = list(_cached_signature(function).parameters.values())[1:]
+    return _cached_signature(function).replace(parameters=parameters)
+
+
 def _prepare_generated_length_wrapper(telemetry: Telemetry):
     """Wrapper of ``GenerationMixin._prepare_generated_length``: learns the prompt width and config."""
 
@@ -234,7 +252,11 @@ def _prepare_generated_length_wrapper(telemetry: Telemetry):
         request = _ACTIVE.get()
         if isinstance(request, GenerateRequest) and request.model is instance:
             try:
-                request.on_generated_length(result, kwargs.get("input_ids_length"), kwargs.get("inputs_tensor"))
+                # by name, whether generate() (keywords) or an overriding model (positional) called it
+                bound = _signature(wrapped).bind(*args, **kwargs).arguments
+                request.on_generated_length(
+                    result, bound.get("input_ids_length"), bound.get("inputs_tensor"), bound.get("model_input_name")
+                )
             except Exception as fault:
                 log_fault_once("generation config capture", fault)
         return result
@@ -243,7 +265,7 @@ def _prepare_generated_length_wrapper(telemetry: Telemetry):
 
 
 def _get_stopping_criteria_wrapper(telemetry: Telemetry):
-    """Wrapper of ``GenerationMixin._get_stopping_criteria``: appends the step recorder."""
+    """Wrapper of ``GenerationMixin._get_stopping_criteria``: returns the criteria as a recording list."""
 
     def wrapper(wrapped, instance, args, kwargs):
         criteria = wrapped(*args, **kwargs)
@@ -256,7 +278,7 @@ def _get_stopping_criteria_wrapper(telemetry: Telemetry):
         ):
             try:
                 config = kwargs.get("generation_config", args[0] if args else None)
-                criteria.append(request.make_recorder(config))
+                return request.recording_criteria(criteria, config)
             except Exception as fault:
                 request.incomplete = True
                 log_fault_once("step hook install", fault)
@@ -281,6 +303,18 @@ class GenerateInstrumentor(BaseInstrumentor):
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
+
+    def instrument(self, **kwargs: Any) -> Any:
+        """Instrument ``generate()`` (see the module docstring for the keywords).
+
+        If only a :class:`TokenLatencyProfiler` had turned the instrumentation on, this call
+        takes it over with these keywords, and leaving the profiler no longer turns it off.
+        """
+        from otel_generate import profiler
+
+        if self.is_instrumented_by_opentelemetry and profiler.take_over_from_profilers():
+            self.uninstrument()
+        return super().instrument(**kwargs)
 
     def _instrument(self, **kwargs: Any) -> None:
         options = _resolve_options(kwargs)

@@ -1,31 +1,32 @@
-"""The per-step hot path: a transformers ``StoppingCriteria`` that timestamps each decode step.
+"""The per-step hot path: the stopping-criteria call that ends each decode step is timestamped.
 
-transformers calls the stopping criteria once per decoding iteration, right after the new
-token(s) were appended (``GenerationMixin._sample``, ``_beam_search``, ``_assisted_decoding``).
-That call is the step boundary. The recorder waits for the device (when a synchronize function
-is given), reads the monotonic clock, and appends two integers. Spans are built from these
-numbers only after ``generate()`` returns, so the loop pays no span cost.
-
-It never stops generation: it returns an all-``False`` tensor of shape ``(batch,)``, cached on
-the input's device, which ``StoppingCriteriaList`` ORs with the other criteria.
+transformers calls its ``StoppingCriteriaList`` once per decoding iteration, right after the
+new token(s) were appended (``GenerationMixin._sample``, ``_beam_search``,
+``_assisted_decoding``). That call is the step boundary. ``_get_stopping_criteria``'s list is
+replaced by a :class:`RecordingCriteriaList` (same criteria, same result) whose call, after the
+criteria ran, hands ``input_ids`` and the per-row ``is_done`` tensor to a :class:`StepRecorder`:
+it waits for the device (when a synchronize function is given), reads the monotonic clock and
+appends. Spans are built from these numbers only after ``generate()`` returns, so the loop pays
+no span cost, and the criteria's result is never touched.
 """
 
 from __future__ import annotations
 
 from typing import Callable, List, Optional
 
-import torch
-from transformers.generation.stopping_criteria import StoppingCriteria
+from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 
-class StepRecorder(StoppingCriteria):
-    """Records ``(monotonic_ns, sequence_length)`` at every decode-step boundary.
+class StepRecorder:
+    """Records ``(monotonic_ns, sequence_length[, is_done])`` at every decode-step boundary.
 
     Attributes:
         times_ns: monotonic clock (``time.perf_counter_ns``) after each step, in nanoseconds.
         lengths: ``input_ids.shape[-1]`` seen after each step (prompt included).
+        done: when ``keep_done``, each step's ``is_done`` BoolTensor of shape ``(rows,)``: a row's
+            first ``True`` is the step that ended it (EOS, a stop string, a user criterion).
         fault: the first exception raised inside the recorder, or ``None``. After a fault the
-            recorder stops recording (the data it holds stays valid) and generation goes on.
+            recorder stops recording (what it holds stays valid) and generation goes on.
     """
 
     def __init__(
@@ -37,14 +38,17 @@ class StepRecorder(StoppingCriteria):
         on_fault: Callable[[str, BaseException], None],
         on_step: Optional[Callable[[int, float], None]] = None,
         skip_candidate_calls: bool = False,
+        keep_done: bool = False,
     ) -> None:
         self.times_ns: List[int] = []
         self.lengths: List[int] = []
+        self.done: List = []
         self.fault: Optional[BaseException] = None
         self._sync = synchronize
         self._clock = clock
         self._append_time = self.times_ns.append
         self._append_length = self.lengths.append
+        self._append_done = self.done.append if keep_done else None
         self._start_ns = start_ns
         self._prompt_length = prompt_length
         self._on_fault = on_fault
@@ -53,30 +57,28 @@ class StepRecorder(StoppingCriteria):
         # tokens before verifying them; those calls are not step boundaries.
         self._skip_candidate_calls = skip_candidate_calls
         self._next_is_candidate = skip_candidate_calls
-        self._false: Optional[torch.Tensor] = None
 
     def __deepcopy__(self, memo):  # a copied criteria list must still feed this request
         return self
 
-    def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
-        if self.fault is None:
-            try:
-                if self._next_is_candidate:
-                    self._next_is_candidate = False
-                else:
-                    self._next_is_candidate = self._skip_candidate_calls
-                    if self._sync is not None:
-                        self._sync()
-                    self._append_time(self._clock())
-                    self._append_length(input_ids.shape[-1])
-                    if self._on_step is not None:
-                        self._call_on_step()
-            except Exception as exc:  # never break generation
-                self._fail(exc)
-        false = self._false
-        if false is None or false.shape[0] != input_ids.shape[0]:
-            false = self._false = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        return false
+    def __call__(self, input_ids, is_done) -> None:
+        if self.fault is not None:
+            return
+        try:
+            if self._next_is_candidate:
+                self._next_is_candidate = False
+                return
+            self._next_is_candidate = self._skip_candidate_calls
+            if self._sync is not None:
+                self._sync()
+            self._append_time(self._clock())
+            self._append_length(input_ids.shape[-1])
+            if self._append_done is not None:
+                self._append_done(is_done)
+            if self._on_step is not None:
+                self._call_on_step()
+        except Exception as exc:  # never break generation
+            self._fail(exc)
 
     def _call_on_step(self) -> None:
         times, lengths = self.times_ns, self.lengths
@@ -88,8 +90,25 @@ class StepRecorder(StoppingCriteria):
             self._on_fault("per_token_latency_callback", exc)
 
     def _fail(self, exc: BaseException) -> None:
-        # keep times and lengths paired: drop a half-written step
-        del self.times_ns[len(self.lengths):]
-        del self.lengths[len(self.times_ns):]
+        # keep the lists paired: drop a half-written step
+        steps = min(len(self.times_ns), len(self.lengths))
+        del self.times_ns[steps:], self.lengths[steps:], self.done[steps:]
         self.fault = exc
         self._on_fault("step hook", exc)
+
+
+class RecordingCriteriaList(StoppingCriteriaList):
+    """A ``StoppingCriteriaList`` that reports each call to a :class:`StepRecorder`.
+
+    It holds the same criteria and returns exactly what ``StoppingCriteriaList`` returns: a
+    BoolTensor ``(rows,)``, ``True`` where a row is done.
+    """
+
+    def __init__(self, criteria, recorder: StepRecorder) -> None:
+        super().__init__(criteria)
+        self.recorder = recorder
+
+    def __call__(self, input_ids, scores, **kwargs):
+        is_done = StoppingCriteriaList.__call__(self, input_ids, scores, **kwargs)
+        self.recorder(input_ids, is_done)
+        return is_done

@@ -1,6 +1,6 @@
 """One instrumented ``generate()`` call: its span, its step recorder, and what it reports at the end.
 
-Nothing here runs per decode step except :class:`otel_generate._recorder.StepRecorder`. The
+Nothing here runs per decode step except :mod:`otel_generate._recorder`. The
 request span is started when ``generate()`` is entered; the step spans are built from the
 recorded timestamps once it returns (or raises), with explicit start and end times.
 """
@@ -19,7 +19,13 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from otel_generate import attributes as A
 from otel_generate import clock
 from otel_generate.record import GenerationRecord
-from otel_generate.tokens import count_input_tokens, count_new_tokens, finish_reasons, step_tokens
+from otel_generate.tokens import (
+    count_input_tokens,
+    count_new_tokens,
+    counts_from_done,
+    finish_reasons,
+    step_tokens,
+)
 
 _LOG = logging.getLogger("otel_generate")
 
@@ -28,6 +34,10 @@ _LOG = logging.getLogger("otel_generate")
 #: ``super().generate()``), or ``None``.
 _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("otel_generate_active_request", default=None)
 _NESTED = object()
+
+#: Strategies whose stopping-criteria rows are the returned sequences (beam search checks
+#: flattened candidate beams instead).
+_ROW_ALIGNED = (A.STRATEGY_GREEDY, A.STRATEGY_SAMPLE, A.STRATEGY_ASSISTED)
 
 #: Keywords this package adds to ``generate()``; they never reach transformers.
 CALLBACK_KWARG = "per_token_latency_callback"
@@ -78,6 +88,14 @@ def strategy_of(generation_config: Any, assistant_model: Any) -> str:
         return A.STRATEGY_ASSISTED
     beams = getattr(generation_config, "num_beams", 1) or 1
     sampling = bool(getattr(generation_config, "do_sample", False))
+    if getattr(generation_config, "constraints", None) or getattr(generation_config, "force_words_ids", None):
+        return A.STRATEGY_CONSTRAINED_BEAM_SEARCH
+    if (getattr(generation_config, "num_beam_groups", 1) or 1) > 1:
+        return A.STRATEGY_GROUP_BEAM_SEARCH
+    if getattr(generation_config, "dola_layers", None) is not None:
+        return A.STRATEGY_DOLA
+    if (getattr(generation_config, "penalty_alpha", None) or 0) > 0 and (getattr(generation_config, "top_k", 1) or 1) > 1:
+        return A.STRATEGY_CONTRASTIVE_SEARCH
     if beams > 1:
         return A.STRATEGY_BEAM_SAMPLE if sampling else A.STRATEGY_BEAM_SEARCH
     return A.STRATEGY_SAMPLE if sampling else A.STRATEGY_GREEDY
@@ -112,14 +130,14 @@ class GenerateRequest:
         self.args = args
         self.kwargs = kwargs
         self.callback: Optional[Callable[[int, float], None]] = extras.get(CALLBACK_KWARG)
-        self.track = bool(extras.get(TRACK_KWARG)) or bool(
-            getattr(self._user_generation_config(), TRACK_KWARG, False)
-        )
+        track = extras[TRACK_KWARG] if TRACK_KWARG in extras else getattr(self._user_generation_config(), TRACK_KWARG, False)
+        self.track = bool(track)  # the generate() keyword overrides the GenerationConfig, as for every option
         self.profilers = tuple(telemetry.profilers())
         self.name = model_name(model)
         self.generation_config: Any = None
         self.prompt_length: Optional[int] = None
         self.inputs_tensor: Any = None
+        self.model_input_name: Any = None
         self.recorder: Any = None
         self.incomplete = False
         self.device: Optional[str] = None
@@ -166,20 +184,23 @@ class GenerateRequest:
             config = getattr(self.model, "generation_config", None)
         return config
 
-    def on_generated_length(self, generation_config: Any, input_ids_length: Any, inputs_tensor: Any) -> None:
+    def on_generated_length(
+        self, generation_config: Any, input_ids_length: Any, inputs_tensor: Any, model_input_name: Any
+    ) -> None:
         """From ``GenerationMixin._prepare_generated_length``: the effective config and prompt width."""
         self.generation_config = generation_config
         if input_ids_length is not None:
             self.prompt_length = int(input_ids_length)
         self.inputs_tensor = inputs_tensor
+        self.model_input_name = model_input_name
 
-    def make_recorder(self, generation_config: Any) -> Any:
-        """Build the step recorder to append to the stopping criteria (``_get_stopping_criteria``)."""
-        from otel_generate._recorder import StepRecorder
+    def recording_criteria(self, criteria: Any, generation_config: Any) -> Any:
+        """``_get_stopping_criteria``'s list, as a :class:`RecordingCriteriaList` feeding this request."""
+        from otel_generate._recorder import RecordingCriteriaList, StepRecorder
 
         if self.generation_config is None:
             self.generation_config = generation_config
-        skip = self.telemetry.skip_candidate_calls and self.strategy() == A.STRATEGY_ASSISTED
+        strategy = self.strategy()
         self.recorder = StepRecorder(
             self.sync,
             clock.monotonic_ns,
@@ -187,9 +208,11 @@ class GenerateRequest:
             self.prompt_length if self.prompt_length is not None else 0,
             self._on_fault,
             self.callback,
-            skip_candidate_calls=skip,
+            skip_candidate_calls=self.telemetry.skip_candidate_calls and strategy == A.STRATEGY_ASSISTED,
+            # one is_done row per returned sequence (not beam search's flattened candidates)
+            keep_done=strategy in _ROW_ALIGNED,
         )
-        return self.recorder
+        return RecordingCriteriaList(criteria, self.recorder)
 
     def _on_fault(self, kind: str, exc: BaseException) -> None:
         if kind == "step hook":
@@ -263,11 +286,30 @@ class GenerateRequest:
         if strategy is not None:
             attrs[A.GENERATE_STRATEGY] = strategy
 
+        sequences = result if _is_tensor(result) else getattr(result, "sequences", None)
+        prompt_length = self.prompt_length
+
+        # --- steps ------------------------------------------------------------------------
+        times: List[int] = []
+        lengths: List[int] = []
+        done: List[Any] = []
+        if self.recorder is not None:
+            times = list(self.recorder.times_ns)
+            lengths = list(self.recorder.lengths)
+            done = list(self.recorder.done)
+            if sequences is not None and strategy in _ROW_ALIGNED and _is_tensor(sequences):
+                # steps that transformers undid (MPS's deferred stop check) are not in the output
+                final = int(sequences.shape[-1])
+                while lengths and lengths[-1] > final:
+                    del lengths[-1], times[-1], done[-1:]
+        elif self.timed and exc is None:
+            self.incomplete = True  # the stopping-criteria hook was never reached
+        if self.timed and exc is None and prompt_length is None:
+            self.incomplete = True  # the prompt width was never learned: no token accounting
+
         # --- token accounting from the tensors themselves -----------------------------------
         input_tokens = output_tokens = None
         per_sequence: List[int] = []
-        sequences = result if _is_tensor(result) else getattr(result, "sequences", None)
-        prompt_length = self.prompt_length
         eos = pad = max_new = None
         if config is not None:
             eos = getattr(config, "eos_token_id", None)
@@ -276,18 +318,25 @@ class GenerateRequest:
             if max_new is None and getattr(config, "max_length", None) is not None and prompt_length is not None:
                 max_new = int(config.max_length) - prompt_length
         if self.inputs_tensor is not None and _is_tensor(self.inputs_tensor) and self.inputs_tensor.dim() >= 2:
-            input_tokens = count_input_tokens(self.inputs_tensor, self.kwargs.get("attention_mask"), pad, eos)
-            attrs[A.GEN_AI_USAGE_INPUT_TOKENS] = input_tokens
             attrs[A.GENERATE_BATCH_SIZE] = int(self.inputs_tensor.shape[0])
+            # tokens only for token inputs: not for audio features or pixels (Whisper, vision encoders)
+            if self.model_input_name in (None, "input_ids", "inputs_embeds"):
+                input_tokens = count_input_tokens(self.inputs_tensor, self.kwargs.get("attention_mask"), pad, eos)
+                attrs[A.GEN_AI_USAGE_INPUT_TOKENS] = input_tokens
         if sequences is not None and prompt_length is not None and _is_tensor(sequences) and sequences.dim() == 2:
-            per_sequence = count_new_tokens(sequences, prompt_length, eos, pad)
+            per_sequence = None
+            if done and len(done) == len(lengths) and self.recorder.fault is None:
+                # exact: each row ends at the step where a stopping criterion first said so
+                per_sequence = counts_from_done(done, lengths, prompt_length, sequences)
+            if per_sequence is None:  # beams, or no step data: read it off the tensor
+                per_sequence = count_new_tokens(sequences, prompt_length, eos, pad)
             output_tokens = int(sum(per_sequence))
             attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] = output_tokens
             attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] = finish_reasons(
                 sequences, prompt_length, per_sequence, max_new, eos
             )
         if config is not None:
-            if max_new is not None:
+            if max_new is not None and max_new >= 0:
                 attrs[A.GEN_AI_REQUEST_MAX_TOKENS] = int(max_new)
             attrs[A.GENERATE_NUM_BEAMS] = int(getattr(config, "num_beams", 1) or 1)
             choices = int(getattr(config, "num_return_sequences", 1) or 1)
@@ -303,24 +352,6 @@ class GenerateRequest:
                     if value is not None:
                         attrs[key] = int(value) if name == "top_k" else float(value)
 
-        # --- steps ------------------------------------------------------------------------
-        times: List[int] = []
-        lengths: List[int] = []
-        if self.recorder is not None:
-            times = list(self.recorder.times_ns)
-            lengths = list(self.recorder.lengths)
-            if (
-                sequences is not None
-                and strategy in (A.STRATEGY_GREEDY, A.STRATEGY_SAMPLE)
-                and _is_tensor(sequences)
-            ):
-                # steps that transformers undid (MPS's deferred stop check) are not in the output
-                final = int(sequences.shape[-1])
-                while lengths and lengths[-1] > final:
-                    lengths.pop()
-                    times.pop()
-        elif self.timed and exc is None:
-            self.incomplete = True  # the stopping-criteria hook was never reached
         tokens = step_tokens(lengths, prompt_length if prompt_length is not None else 0)
         latencies_ns = [t - p for t, p in zip(times, [self.start_ns] + times[:-1])]
 

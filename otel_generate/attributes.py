@@ -50,6 +50,11 @@ STRATEGY_SAMPLE = "sample"
 STRATEGY_BEAM_SEARCH = "beam_search"
 STRATEGY_BEAM_SAMPLE = "beam_sample"
 STRATEGY_ASSISTED = "assisted"
+# Decoding methods transformers 4.x runs itself and 5.x moved to ``custom_generate`` repositories.
+STRATEGY_CONTRASTIVE_SEARCH = "contrastive_search"
+STRATEGY_GROUP_BEAM_SEARCH = "group_beam_search"
+STRATEGY_CONSTRAINED_BEAM_SEARCH = "constrained_beam_search"
+STRATEGY_DOLA = "dola"
 
 # --- this package: step spans -----------------------------------------------------------------
 STEP_SPAN_PREFILL = "prefill"

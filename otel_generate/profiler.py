@@ -13,8 +13,20 @@ from otel_generate.stats import Latency
 _PROFILERS: contextvars.ContextVar[Tuple["TokenLatencyProfiler", ...]] = contextvars.ContextVar(
     "otel_generate_profilers", default=()
 )
-_lock = threading.Lock()
-_auto_users = 0  # profilers open that made the instrumentor instrument itself
+_lock = threading.RLock()
+_auto_users = 0  # open profilers that count on the instrumentation they turned on
+_auto_owned = False  # the instrumentation is on only because a profiler turned it on
+
+
+def take_over_from_profilers() -> bool:
+    """Called by ``GenerateInstrumentor.instrument()``: True if profilers owned the instrumentation.
+
+    The caller then re-instruments with its own keywords, and closing the profilers leaves it on.
+    """
+    global _auto_owned
+    with _lock:
+        owned, _auto_owned = _auto_owned, False
+        return owned
 
 
 def active_profilers() -> Tuple["TokenLatencyProfiler", ...]:
@@ -47,31 +59,34 @@ class TokenLatencyProfiler:
         self._auto = False
 
     def __enter__(self) -> "TokenLatencyProfiler":
-        global _auto_users
+        global _auto_users, _auto_owned
         from otel_generate import GenerateInstrumentor
 
         if self._token is not None:
             raise RuntimeError("this TokenLatencyProfiler is already open; create a new one to nest")
         with _lock:
             instrumentor = GenerateInstrumentor()
-            if _auto_users or not instrumentor.is_instrumented_by_opentelemetry:
-                if not instrumentor.is_instrumented_by_opentelemetry:
-                    instrumentor.instrument()
+            if not instrumentor.is_instrumented_by_opentelemetry:
+                instrumentor.instrument()
+                _auto_owned = True
+            if _auto_owned:
                 _auto_users += 1
                 self._auto = True
         self._token = _PROFILERS.set(_PROFILERS.get() + (self,))
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        global _auto_users
+        global _auto_users, _auto_owned
         from otel_generate import GenerateInstrumentor
 
-        _PROFILERS.reset(self._token)
+        # not ContextVar.reset: profilers may be closed in any order
+        _PROFILERS.set(tuple(p for p in _PROFILERS.get() if p is not self))
         self._token = None
         if self._auto:
             with _lock:
                 _auto_users -= 1
-                if _auto_users == 0:
+                if _auto_users == 0 and _auto_owned:
+                    _auto_owned = False
                     GenerateInstrumentor().uninstrument()
             self._auto = False
 

@@ -80,6 +80,36 @@ def count_new_tokens(
     return counts.tolist()
 
 
+def counts_from_done(done: Sequence[Any], lengths: Sequence[int], prompt_length: int, sequences: Any) -> Optional[List[int]]:
+    """Generated tokens per row from when each row was stopped, as the stopping criteria said.
+
+    Args:
+        done: one BoolTensor ``(rows,)`` per step, the value ``StoppingCriteriaList`` returned
+            (``GenerationMixin._sample``/``_assisted_decoding`` mark a row finished at its first ``True``).
+        lengths: sequence length after each step (prompt included), ``len(lengths) == len(done)``.
+        prompt_length: leading positions that were not generated.
+        sequences: the returned LongTensor ``(rows, total_length)``.
+
+    Returns:
+        One count per row, or ``None`` when the shapes do not line up (then count from the
+        tensor with :func:`count_new_tokens`). Exact where the tensor is ambiguous: a real
+        generated pad token, or a row stopped by a criterion when pad equals EOS.
+    """
+    import torch
+
+    if not done or len(done) != len(lengths) or any(d.dim() != 1 for d in done):
+        return None
+    stacked = torch.stack([d.to("cpu") for d in done])  # (steps, rows)
+    if stacked.shape[1] != sequences.shape[0]:
+        return None
+    width = int(sequences.shape[-1]) - prompt_length
+    ended = stacked.any(dim=0)
+    first = stacked.to(torch.int8).argmax(dim=0)  # first True per row (0 when none)
+    at = torch.tensor(list(lengths), dtype=torch.long)[first] - prompt_length
+    counts = torch.where(ended, at, torch.full_like(at, width))
+    return counts.clamp(min=0, max=width).tolist()
+
+
 def count_input_tokens(
     inputs: Any,
     attention_mask: Optional[Any] = None,

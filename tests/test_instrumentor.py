@@ -604,3 +604,123 @@ def test_no_span_leaks_into_context_after_generate(instrumented, gpt2):
     gpt2.generate(ids, attention_mask=mask, max_new_tokens=2, eos_token_id=None)
     assert trace.get_current_span() is before
     assert otel_context.get_current() == otel_context.get_current()
+
+
+# --- regressions found by trying to break it -------------------------------------------------------
+
+
+def test_model_calling_super_prepare_generated_length_positionally(instrumented, span_exporter, gpt2):
+    """transformers' own ParakeetForTDT / VoxtralRealtime override it and call super() positionally."""
+
+    class Positional(type(gpt2)):
+        def _prepare_generated_length(self, generation_config, has_default_max_length, has_default_min_length,
+                                      model_input_name, input_ids_length, inputs_tensor):
+            return super()._prepare_generated_length(generation_config, has_default_max_length,
+                                                     has_default_min_length, model_input_name, input_ids_length,
+                                                     inputs_tensor)
+
+    model = Positional(gpt2.config).eval()
+    ids, mask = prompt(length=4)
+    model.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None)
+    request = only_request(span_exporter)
+    assert request.attributes[A.GEN_AI_USAGE_INPUT_TOKENS] == 4
+    assert request.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 6
+    assert [s.attributes[A.GENERATE_STEP_TOKENS] for s in step_spans(span_exporter, request)] == [1] * 6
+    assert A.GENERATE_STEPS_INCOMPLETE not in request.attributes
+
+
+class ForceAt(LogitsProcessor):
+    """Row ``row`` gets token ``token`` at continuation position ``at``; EOS is forbidden elsewhere."""
+
+    def __init__(self, prompt_length, row, at, token):
+        self.prompt_length, self.row, self.at, self.token = prompt_length, row, at, token
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        scores[:, EOS_TOKEN_ID] = -float("inf")
+        scores[:, PAD_TOKEN_ID] = -float("inf")
+        if input_ids.shape[-1] - self.prompt_length == self.at:
+            scores[self.row, :] = -float("inf")
+            scores[self.row, self.token] = 0.0
+        return scores
+
+
+def test_a_real_generated_pad_token_is_output(instrumented, span_exporter, gpt2):
+    """The last token of a row that ran to max_new_tokens happens to be the pad id: it was generated."""
+    ids, mask = prompt(batch=2, length=4, seed=40)
+    out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=PAD_TOKEN_ID,
+                        eos_token_id=EOS_TOKEN_ID, logits_processor=LogitsProcessorList([ForceAt(4, 0, 4, PAD_TOKEN_ID)]))
+    assert out[0, -1].item() == PAD_TOKEN_ID and out.shape[-1] == 9
+    attrs = only_request(span_exporter).attributes
+    assert attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 10
+    assert attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] == ("length", "length")
+
+
+def test_row_stopped_by_a_criterion_with_pad_equal_to_eos(instrumented, span_exporter, gpt2):
+    """GPT-2 style pad == EOS: the padding after a row a user criterion stopped is not an EOS it generated."""
+
+    class StopRowZeroAfterTwo(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+            done[0] = input_ids.shape[-1] - 4 >= 2
+            return done
+
+    ids, mask = prompt(batch=2, length=4, seed=41)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, pad_token_id=EOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
+                  logits_processor=LogitsProcessorList([NoEos()]))
+    expected = uninstrumented_generate(gpt2, ids, stopping_criteria=StoppingCriteriaList([StopRowZeroAfterTwo()]), **kwargs)
+    out = gpt2.generate(ids, stopping_criteria=StoppingCriteriaList([StopRowZeroAfterTwo()]), **kwargs)
+    assert torch.equal(out, expected)
+    assert out[0, 4:6].tolist() != [EOS_TOKEN_ID] * 2 and (out[0, 6:] == EOS_TOKEN_ID).all()
+    attrs = only_request(span_exporter).attributes
+    assert attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 2 + 6
+    assert attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] == ("stop", "length")
+
+
+def test_another_models_generate_inside_a_request_is_its_own_request(instrumented, span_exporter, gpt2):
+    from otel_generate.models import build_model
+
+    guard = build_model("gpt2", seed=2)
+    calls = []
+
+    class Guard(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[-1] == 5:  # once, at the second step
+                guard.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=2,
+                               eos_token_id=None, per_token_latency_callback=lambda i, s: calls.append(i))
+            return scores
+
+    ids, mask = prompt(length=4)
+    gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None,
+                  logits_processor=LogitsProcessorList([Guard()]))
+    outer, inner = sorted(request_spans(span_exporter), key=lambda s: s.start_time)
+    assert inner.parent.span_id == outer.context.span_id
+    assert inner.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 2 and outer.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 3
+    assert len(step_spans(span_exporter, inner)) == 2 and len(step_spans(span_exporter, outer)) == 3
+    assert calls == [0, 1]
+
+
+def test_pixel_inputs_are_not_counted_as_tokens(instrumented, span_exporter):
+    """A vision encoder-decoder's pixel_values have no prompt tokens; the continuation still counts."""
+    enc = transformers.ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                 image_size=32, patch_size=8)
+    dec = transformers.GPT2Config(vocab_size=128, n_embd=16, n_layer=1, n_head=2, add_cross_attention=True,
+                                  is_decoder=True, bos_token_id=1, eos_token_id=EOS_TOKEN_ID)
+    config = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
+    config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = 1, PAD_TOKEN_ID, EOS_TOKEN_ID
+    torch.manual_seed(0)
+    model = transformers.VisionEncoderDecoderModel(config).eval()
+    out = model.generate(pixel_values=torch.randn(2, 3, 32, 32), max_new_tokens=3, eos_token_id=None)
+    attrs = only_request(span_exporter).attributes
+    assert A.GEN_AI_USAGE_INPUT_TOKENS not in attrs
+    assert attrs[A.GENERATE_BATCH_SIZE] == 2
+    assert attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 2 * (out.shape[-1] - 1) == 6
+
+
+def test_inputs_embeds_positions_are_input_tokens(instrumented, span_exporter, gpt2):
+    ids, mask = prompt(length=4)
+    gpt2.generate(inputs_embeds=gpt2.get_input_embeddings()(ids), attention_mask=mask, max_new_tokens=2,
+                  eos_token_id=None)
+    attrs = only_request(span_exporter).attributes
+    assert attrs[A.GEN_AI_USAGE_INPUT_TOKENS] == 4
+    assert attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 2

@@ -362,3 +362,47 @@ def test_flag_without_dict_output_and_eos(instrumented, gpt2):
                         return_dict_in_generate=True, logits_processor=LogitsProcessorList([EosAtTwo()]))
     assert out.sequences.shape[-1] - 4 == 3
     assert len(out.token_latencies) == 3
+
+
+# --- regressions ------------------------------------------------------------------------------------------
+
+
+def test_profilers_closed_out_of_order(instrumented, gpt2):
+    ids, mask = prompt()
+    a, b = TokenLatencyProfiler(), TokenLatencyProfiler()
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)  # a closes first
+    gpt2.generate(ids, attention_mask=mask, max_new_tokens=2, eos_token_id=None)
+    b.__exit__(None, None, None)
+    gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None)
+    assert [r.output_tokens for r in a.records] == []
+    assert [r.output_tokens for r in b.records] == [2]
+    from otel_generate.profiler import active_profilers
+
+    assert active_profilers() == ()
+
+
+def test_instrument_inside_a_profiler_takes_over(tracer_provider, span_exporter, gpt2):
+    ids, mask = prompt()
+    assert not GenerateInstrumentor().is_instrumented_by_opentelemetry
+    try:
+        with TokenLatencyProfiler() as prof:
+            GenerateInstrumentor().instrument(tracer_provider=tracer_provider)  # the app's own set-up
+            gpt2.generate(ids, attention_mask=mask, max_new_tokens=2, eos_token_id=None)
+        assert GenerateInstrumentor().is_instrumented_by_opentelemetry  # leaving the profiler keeps it on
+        gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None)
+    finally:
+        GenerateInstrumentor().uninstrument()
+    assert [r.output_tokens for r in prof.records] == [2]
+    assert [s.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] for s in request_spans(span_exporter)] == [2, 3]
+
+
+def test_generate_keyword_false_overrides_the_config_flag(instrumented, gpt2):
+    ids, mask = prompt()
+    config = GenerationConfig(track_token_latency=True, max_new_tokens=2, return_dict_in_generate=True,
+                              eos_token_id=None, pad_token_id=PAD_TOKEN_ID)
+    out = gpt2.generate(ids, attention_mask=mask, generation_config=config, track_token_latency=False)
+    assert not hasattr(out, "token_latencies")
+    out = gpt2.generate(ids, attention_mask=mask, generation_config=config)
+    assert len(out.token_latencies) == 2
