@@ -231,17 +231,15 @@ def _generate_wrapper(telemetry: Telemetry):
 
 
 @functools.lru_cache(maxsize=None)
-def _cached_signature(function: Any) -> inspect.Signature:
-    return inspect.signature(function)
+def _method_signature(function: Any) -> inspect.Signature:
+    """The signature of a method's function without its ``self`` parameter (cached)."""
+    signature = inspect.signature(function)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
 def _signature(bound_method: Any) -> inspect.Signature:
-    """The signature of a bound method without ``self`` (cached per function)."""
     function = getattr(bound_method, "__func__", None)
-    if function is None:
-        return inspect.signature(bound_method)
-    parameters = list(_cached_signature(function).parameters.values())[1:]
-    return _cached_signature(function).replace(parameters=parameters)
+    return inspect.signature(bound_method) if function is None else _method_signature(function)
 
 
 def _prepare_generated_length_wrapper(telemetry: Telemetry):

@@ -97,17 +97,22 @@ def counts_from_done(done: Sequence[Any], lengths: Sequence[int], prompt_length:
     """
     import torch
 
-    if not done or len(done) != len(lengths) or any(d.dim() != 1 for d in done):
+    if not done or len(done) != len(lengths):
         return None
-    stacked = torch.stack([d.to("cpu") for d in done])  # (steps, rows)
-    if stacked.shape[1] != sequences.shape[0]:
+    steps = torch.stack(list(done)).cpu().tolist()  # (steps, rows) as lists: one device transfer
+    rows = int(sequences.shape[0])
+    if any(len(step) != rows for step in steps):
         return None
     width = int(sequences.shape[-1]) - prompt_length
-    ended = stacked.any(dim=0)
-    first = stacked.to(torch.int8).argmax(dim=0)  # first True per row (0 when none)
-    at = torch.tensor(list(lengths), dtype=torch.long)[first] - prompt_length
-    counts = torch.where(ended, at, torch.full_like(at, width))
-    return counts.clamp(min=0, max=width).tolist()
+    counts = [width] * rows
+    pending = set(range(rows))
+    for length, step in zip(lengths, steps):
+        for row in [r for r in pending if step[r]]:
+            counts[row] = min(max(length - prompt_length, 0), width)
+            pending.discard(row)
+        if not pending:
+            break
+    return counts
 
 
 def count_input_tokens(
