@@ -46,7 +46,7 @@ import functools
 import inspect
 import logging
 import os
-from typing import Any, Collection, Dict, Optional
+from typing import Any, Collection, Dict
 
 import wrapt
 from opentelemetry import metrics, trace

@@ -49,6 +49,27 @@ def instrumented(tracer_provider, meter_provider):
     instrumentor.uninstrument()
 
 
+@pytest.fixture
+def count_recorders(monkeypatch):
+    """Count StepRecorder constructions ("init") and step hook calls ("call")."""
+    calls = {"init": 0, "call": 0}
+    from otel_generate import _recorder
+
+    init, call = _recorder.StepRecorder.__init__, _recorder.StepRecorder.__call__
+
+    def counting_init(self, *a, **k):
+        calls["init"] += 1
+        init(self, *a, **k)
+
+    def counting_call(self, *a, **k):
+        calls["call"] += 1
+        return call(self, *a, **k)
+
+    monkeypatch.setattr(_recorder.StepRecorder, "__init__", counting_init)
+    monkeypatch.setattr(_recorder.StepRecorder, "__call__", counting_call)
+    return calls
+
+
 @pytest.fixture(scope="session")
 def gpt2():
     return build_model("gpt2", seed=0)

@@ -18,7 +18,6 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from transformers.generation.utils import GenerationMixin
 
 from otel_generate import GenerateInstrumentor
-from otel_generate import _recorder
 from otel_generate import attributes as A
 from otel_generate.models import EOS_TOKEN_ID, PAD_TOKEN_ID
 from otel_generate.tokens import count_new_tokens
@@ -454,24 +453,6 @@ def test_pipeline_gives_one_request_span(instrumented, span_exporter, gpt2):
 
 
 # --- off means off, faults never break generate() ---------------------------------------------------
-
-
-@pytest.fixture
-def count_recorders(monkeypatch):
-    calls = {"init": 0, "call": 0}
-    init, call = _recorder.StepRecorder.__init__, _recorder.StepRecorder.__call__
-
-    def counting_init(self, *a, **k):
-        calls["init"] += 1
-        init(self, *a, **k)
-
-    def counting_call(self, *a, **k):
-        calls["call"] += 1
-        return call(self, *a, **k)
-
-    monkeypatch.setattr(_recorder.StepRecorder, "__init__", counting_init)
-    monkeypatch.setattr(_recorder.StepRecorder, "__call__", counting_call)
-    return calls
 
 
 def test_not_sampled_does_no_step_work(span_exporter, count_recorders, gpt2):

@@ -559,24 +559,14 @@ def test_limits_below_the_contract_are_reported_not_silent(no_package_env, gpt2)
 
 
 @pytest.fixture
-def hot_path_calls(monkeypatch):
-    """Count step hook calls, recorders built and device synchronizations, with the model on a fake cuda:0."""
-    calls = {"recorders": 0, "hook": 0, "synchronize": 0}
-    init, call = _recorder.StepRecorder.__init__, _recorder.StepRecorder.__call__
-
-    def counting_init(self, *args, **kwargs):
-        calls["recorders"] += 1
-        init(self, *args, **kwargs)
-
-    def counting_call(self, *args, **kwargs):
-        calls["hook"] += 1
-        return call(self, *args, **kwargs)
+def hot_path_calls(monkeypatch, count_recorders):
+    """Count recorders built ("init"), step hook calls ("call") and device synchronizations, model on a fake cuda:0."""
+    calls = count_recorders
+    calls["synchronize"] = 0
 
     def counting_synchronize(device=None):
         calls["synchronize"] += 1
 
-    monkeypatch.setattr(_recorder.StepRecorder, "__init__", counting_init)
-    monkeypatch.setattr(_recorder.StepRecorder, "__call__", counting_call)
     monkeypatch.setattr(clock, "devices_of", lambda model: ["cuda:0"])
     monkeypatch.setattr(torch.cuda, "synchronize", counting_synchronize)
     return calls
@@ -617,14 +607,14 @@ def test_off_means_no_hook_and_no_synchronize(mode, hot_path_calls, no_package_e
         if instrumentor.is_instrumented_by_opentelemetry:
             instrumentor.uninstrument()
     assert torch.equal(out, expected)
-    assert hot_path_calls == {"recorders": 0, "hook": 0, "synchronize": 0}
+    assert hot_path_calls == {"init": 0, "call": 0, "synchronize": 0}
     assert exporter.get_finished_spans() == ()
 
     # the same counting sees the work when the instrumentation is on: start + 4 steps + end
     with instrumentation(tracer_provider=provider_with()[0]):
         on = gpt2.generate(ids, **kwargs)
     assert torch.equal(on, expected)
-    assert hot_path_calls == {"recorders": 1, "hook": 4, "synchronize": 6}
+    assert hot_path_calls == {"init": 1, "call": 4, "synchronize": 6}
 
 
 # --- 7. other instrumentations alongside ---------------------------------------------------------------
