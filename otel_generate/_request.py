@@ -163,7 +163,11 @@ class GenerateRequest:
                 devices = list(clock.devices_of(model))
                 self.device = str(devices[-1]) if devices else None
                 if telemetry.synchronize:
-                    self.sync = clock.synchronizer_for(devices)
+                    try:
+                        self.sync = clock.synchronizer_for(devices)
+                    except ValueError as fault:  # a device type with no synchronize we know of
+                        self.synchronized = False
+                        log_fault_once("device synchronize", fault)
                     self._synchronize()
             self.start_ns = clock.monotonic_ns()
             self.start_wall_ns = clock.wall_ns()

@@ -705,3 +705,15 @@ def test_inputs_embeds_positions_are_input_tokens(instrumented, span_exporter, g
     attrs = only_request(span_exporter).attributes
     assert attrs[A.GEN_AI_USAGE_INPUT_TOKENS] == 4
     assert attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 2
+
+
+def test_unknown_device_type_is_timed_unsynchronized(instrumented, span_exporter, gpt2, monkeypatch):
+    from otel_generate import clock
+
+    monkeypatch.setattr(clock, "devices_of", lambda model: ["hpu:0"])
+    ids, mask = prompt()
+    out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None)
+    attrs = only_request(span_exporter).attributes
+    assert out.shape[-1] == 7 and attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 3
+    assert attrs[A.GENERATE_SYNCHRONIZED] is False and attrs[A.GENERATE_DEVICE] == "hpu:0"
+    assert len(step_spans(span_exporter)) == 3
