@@ -36,19 +36,31 @@ class CountCalls(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-class ForceTokens(LogitsProcessor):
-    """Forces EOS for row ``row`` at continuation position ``at`` (0-based) and forbids EOS elsewhere."""
+class ForceAt(LogitsProcessor):
+    """Row ``row`` gets ``token`` at continuation position ``at`` (0-based); ``forbid`` ids never elsewhere."""
 
-    def __init__(self, prompt_length, row, at):
-        self.prompt_length, self.row, self.at = prompt_length, row, at
+    def __init__(self, prompt_length, row, at, token=EOS_TOKEN_ID, forbid=(EOS_TOKEN_ID,)):
+        self.prompt_length, self.row, self.at, self.token, self.forbid = prompt_length, row, at, token, list(forbid)
 
     def __call__(self, input_ids, scores):
         scores = scores.clone()
-        scores[:, EOS_TOKEN_ID] = -float("inf")
+        scores[:, self.forbid] = -float("inf")
         if input_ids.shape[-1] - self.prompt_length == self.at:
             scores[self.row, :] = -float("inf")
-            scores[self.row, EOS_TOKEN_ID] = 0.0
+            scores[self.row, self.token] = 0.0
         return scores
+
+
+class StopRowAfter(StoppingCriteria):
+    """A user criterion that stops row ``row`` once it has ``after`` new tokens, and no other row."""
+
+    def __init__(self, prompt_length, after, row=0):
+        self.prompt_length, self.after, self.row = prompt_length, after, row
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        done[self.row] = input_ids.shape[-1] - self.prompt_length >= self.after
+        return done
 
 
 def only_request(exporter):
@@ -122,7 +134,7 @@ def test_left_padded_batch_with_early_eos(instrumented, span_exporter, gpt2):
     mask = torch.ones_like(ids)
     ids[0, :3] = PAD_TOKEN_ID  # row 0: 3 real tokens, left padded
     mask[0, :3] = 0
-    force = ForceTokens(prompt_length=6, row=0, at=2)  # row 0's third token is EOS
+    force = ForceAt(prompt_length=6, row=0, at=2)  # row 0's third token is EOS
     out = gpt2.generate(
         ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
         logits_processor=LogitsProcessorList([force]), pad_token_id=PAD_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
@@ -339,12 +351,6 @@ def test_return_dict_with_scores_unchanged(instrumented, span_exporter, gpt2):
 
 
 def test_user_criterion_stopping_one_row_keeps_stopping_only_that_row(instrumented, span_exporter, gpt2):
-    class StopRowZeroAfter(StoppingCriteria):
-        def __call__(self, input_ids, scores, **kwargs):
-            done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
-            done[0] = input_ids.shape[-1] - 4 >= 3
-            return done
-
     class Double(LogitsProcessor):
         def __call__(self, input_ids, scores):
             return scores * 2
@@ -352,8 +358,8 @@ def test_user_criterion_stopping_one_row_keeps_stopping_only_that_row(instrument
     ids, mask = prompt(batch=2, length=4, seed=12)
     kwargs = dict(attention_mask=mask, max_new_tokens=8, pad_token_id=PAD_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
                   logits_processor=LogitsProcessorList([Double()]))
-    expected = uninstrumented_generate(gpt2, ids, stopping_criteria=StoppingCriteriaList([StopRowZeroAfter()]), **kwargs)
-    out = gpt2.generate(ids, stopping_criteria=StoppingCriteriaList([StopRowZeroAfter()]), **kwargs)
+    expected = uninstrumented_generate(gpt2, ids, stopping_criteria=StoppingCriteriaList([StopRowAfter(4, 3)]), **kwargs)
+    out = gpt2.generate(ids, stopping_criteria=StoppingCriteriaList([StopRowAfter(4, 3)]), **kwargs)
     assert torch.equal(out, expected)
     assert (out[0, 4 + 3:] == PAD_TOKEN_ID).all() and out.shape[-1] == 12  # row 1 ran on
     attrs = only_request(span_exporter).attributes
@@ -610,27 +616,11 @@ def test_model_calling_super_prepare_generated_length_positionally(instrumented,
     assert A.GENERATE_STEPS_INCOMPLETE not in request.attributes
 
 
-class ForceAt(LogitsProcessor):
-    """Row ``row`` gets token ``token`` at continuation position ``at``; EOS is forbidden elsewhere."""
-
-    def __init__(self, prompt_length, row, at, token):
-        self.prompt_length, self.row, self.at, self.token = prompt_length, row, at, token
-
-    def __call__(self, input_ids, scores):
-        scores = scores.clone()
-        scores[:, EOS_TOKEN_ID] = -float("inf")
-        scores[:, PAD_TOKEN_ID] = -float("inf")
-        if input_ids.shape[-1] - self.prompt_length == self.at:
-            scores[self.row, :] = -float("inf")
-            scores[self.row, self.token] = 0.0
-        return scores
-
-
 def test_a_real_generated_pad_token_is_output(instrumented, span_exporter, gpt2):
     """The last token of a row that ran to max_new_tokens happens to be the pad id: it was generated."""
     ids, mask = prompt(batch=2, length=4, seed=40)
     out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=PAD_TOKEN_ID,
-                        eos_token_id=EOS_TOKEN_ID, logits_processor=LogitsProcessorList([ForceAt(4, 0, 4, PAD_TOKEN_ID)]))
+                        eos_token_id=EOS_TOKEN_ID, logits_processor=LogitsProcessorList([ForceAt(4, 0, 4, PAD_TOKEN_ID, forbid=(EOS_TOKEN_ID, PAD_TOKEN_ID))]))
     assert out[0, -1].item() == PAD_TOKEN_ID and out.shape[-1] == 9
     attrs = only_request(span_exporter).attributes
     assert attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 10
@@ -639,18 +629,11 @@ def test_a_real_generated_pad_token_is_output(instrumented, span_exporter, gpt2)
 
 def test_row_stopped_by_a_criterion_with_pad_equal_to_eos(instrumented, span_exporter, gpt2):
     """GPT-2 style pad == EOS: the padding after a row a user criterion stopped is not an EOS it generated."""
-
-    class StopRowZeroAfterTwo(StoppingCriteria):
-        def __call__(self, input_ids, scores, **kwargs):
-            done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
-            done[0] = input_ids.shape[-1] - 4 >= 2
-            return done
-
     ids, mask = prompt(batch=2, length=4, seed=41)
     kwargs = dict(attention_mask=mask, max_new_tokens=6, pad_token_id=EOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
                   logits_processor=LogitsProcessorList([NoEos()]))
-    expected = uninstrumented_generate(gpt2, ids, stopping_criteria=StoppingCriteriaList([StopRowZeroAfterTwo()]), **kwargs)
-    out = gpt2.generate(ids, stopping_criteria=StoppingCriteriaList([StopRowZeroAfterTwo()]), **kwargs)
+    expected = uninstrumented_generate(gpt2, ids, stopping_criteria=StoppingCriteriaList([StopRowAfter(4, 2)]), **kwargs)
+    out = gpt2.generate(ids, stopping_criteria=StoppingCriteriaList([StopRowAfter(4, 2)]), **kwargs)
     assert torch.equal(out, expected)
     assert out[0, 4:6].tolist() != [EOS_TOKEN_ID] * 2 and (out[0, 6:] == EOS_TOKEN_ID).all()
     attrs = only_request(span_exporter).attributes
