@@ -2,8 +2,8 @@
 
 transformers calls ``stopping_criteria(input_ids, scores)`` once per decoding iteration; the
 instrumentation replaces that ``StoppingCriteriaList`` by a
-:class:`otel_generate._recorder.RecordingCriteriaList` holding the same criteria, which hands
-``input_ids`` and the ``is_done`` result to a :class:`otel_generate._recorder.StepRecorder`.
+:class:`otel_generate.integrations.step_hook.RecordingCriteriaList` holding the same criteria, which hands
+``input_ids`` and the ``is_done`` result to a :class:`otel_generate.integrations.step_hook.StepRecorder`.
 What that adds to a step, beyond the device synchronization (``synchronize=None`` here, as on
 CPU), is the difference between calling the two lists: the extra Python call and the
 recorder's own work (a clock read, three list appends: time, length and the ``is_done`` tensor
@@ -40,7 +40,7 @@ import transformers
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from otel_generate import clock
-from otel_generate._recorder import RecordingCriteriaList, StepRecorder
+from otel_generate.integrations.step_hook import RecordingCriteriaList, StepRecorder
 from otel_generate.bench import cpu_model
 from otel_generate.version import __version__
 

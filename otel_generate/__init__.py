@@ -42,27 +42,16 @@ turns all per-step work off.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import os
 from typing import Any, Collection, Dict
 
 import wrapt
-from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
-from opentelemetry.instrumentation.utils import is_instrumentation_enabled, unwrap
+from opentelemetry.instrumentation.utils import unwrap
 
-from otel_generate import attributes as A
-from otel_generate._request import (
-    _ACTIVE,
-    _NESTED,
-    CALLBACK_KWARG,
-    TRACK_KWARG,
-    GenerateRequest,
-    Telemetry,
-    log_fault_once,
-)
+from otel_generate.emit import Telemetry, create_instruments, get_tracer
+from otel_generate.integrations import generate_loop
 from otel_generate.package import _instruments
 from otel_generate.record import GenerationRecord
 from otel_generate.version import __version__
@@ -75,10 +64,6 @@ ENV_SYNCHRONIZE = "OTEL_GENERATE_SYNCHRONIZE"
 ENV_MAX_STEP_SPANS = "OTEL_GENERATE_MAX_STEP_SPANS"
 DEFAULT_MAX_STEP_SPANS = 1024
 
-_GENERATION_MODULE = "transformers.generation.utils"
-_GENERATION_CLASS = "GenerationMixin"
-# (method, wrapper factory) pairs patched on GenerationMixin.
-_PATCHED = ("generate", "_prepare_generated_length", "_get_stopping_criteria")
 _OPTIONS = ("tracer_provider", "meter_provider", "synchronize", "max_step_spans")
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -151,147 +136,6 @@ def _resolve_options(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
-def _assisted_calls_criteria_on_candidates(mixin: Any) -> bool:
-    """transformers < 4.47 calls the stopping criteria on the candidate tokens too (not a step)."""
-    try:
-        return "stopping_criteria(candidate_input_ids" in inspect.getsource(mixin._assisted_decoding)
-    except (OSError, TypeError, AttributeError):
-        return False
-
-
-def _create_instruments(meter_provider: Any) -> Dict[str, Any]:
-    meter = metrics.get_meter(__name__, __version__, meter_provider)
-
-    def histogram(name: str, unit: str, description: str, buckets: Collection[float]) -> Any:
-        return meter.create_histogram(
-            name, unit=unit, description=description, explicit_bucket_boundaries_advisory=list(buckets)
-        )
-
-    return {
-        A.METRIC_TIME_TO_FIRST_TOKEN: histogram(
-            A.METRIC_TIME_TO_FIRST_TOKEN, "s", "Time to generate the first token (prefill step).",
-            A.BUCKETS_TIME_TO_FIRST_TOKEN_S,
-        ),
-        A.METRIC_TIME_PER_OUTPUT_TOKEN: histogram(
-            A.METRIC_TIME_PER_OUTPUT_TOKEN, "s",
-            "Time per output token after the first, per request (mean decode step).",
-            A.BUCKETS_TIME_PER_OUTPUT_TOKEN_S,
-        ),
-        A.METRIC_REQUEST_DURATION: histogram(
-            A.METRIC_REQUEST_DURATION, "s", "Duration of the generate() call.", A.BUCKETS_REQUEST_DURATION_S,
-        ),
-        A.METRIC_TOKEN_USAGE: histogram(
-            A.METRIC_TOKEN_USAGE, "{token}", "Input and output tokens per request.", A.BUCKETS_TOKEN_USAGE,
-        ),
-    }
-
-
-def _generate_wrapper(telemetry: Telemetry):
-    """Wrapper of ``GenerationMixin.generate``: one request per outermost call."""
-
-    def wrapper(wrapped, instance, args, kwargs):
-        extras = {key: kwargs.pop(key) for key in (CALLBACK_KWARG, TRACK_KWARG) if key in kwargs}
-        callback = extras.get(CALLBACK_KWARG)
-        if callback is not None and not callable(callback):
-            raise TypeError(f"{CALLBACK_KWARG} must be callable as fn(token_index, latency_s), got {callback!r}")
-        model, model_args = instance, args
-        if model is None and args:  # called through the class: GenerationMixin.generate(model, ...)
-            model, model_args = args[0], args[1:]
-        active = _ACTIVE.get()
-        if active is _NESTED or (
-            isinstance(active, GenerateRequest)
-            and (model is active.model or model is active.kwargs.get("assistant_model"))
-        ):
-            # super().generate() from an overriding model, or an assistant model's generate():
-            # part of the outer request, not a request of its own. Another model's generate()
-            # called meanwhile (say from a logits processor) is a request of its own.
-            token = _ACTIVE.set(_NESTED)
-            try:
-                return wrapped(*args, **kwargs)
-            finally:
-                _ACTIVE.reset(token)
-        if not is_instrumentation_enabled():
-            return wrapped(*args, **kwargs)
-        try:
-            request = GenerateRequest(telemetry, model, model_args, kwargs, extras)
-        except Exception as fault:
-            log_fault_once("request start", fault)
-            return wrapped(*args, **kwargs)
-        token = _ACTIVE.set(request)
-        try:
-            result = wrapped(*args, **kwargs)
-        except BaseException as exc:
-            _ACTIVE.reset(token)
-            request.finish(exc=exc)
-            raise
-        _ACTIVE.reset(token)
-        return request.finish(result=result)
-
-    return wrapper
-
-
-@functools.lru_cache(maxsize=None)
-def _method_signature(function: Any) -> inspect.Signature:
-    """The signature of a method's function without its ``self`` parameter (cached)."""
-    signature = inspect.signature(function)
-    return signature.replace(parameters=list(signature.parameters.values())[1:])
-
-
-def _signature(bound_method: Any) -> inspect.Signature:
-    function = getattr(bound_method, "__func__", None)
-    return inspect.signature(bound_method) if function is None else _method_signature(function)
-
-
-def _prepare_generated_length_wrapper(telemetry: Telemetry):
-    """Wrapper of ``GenerationMixin._prepare_generated_length``: learns the prompt width and config."""
-
-    def wrapper(wrapped, instance, args, kwargs):
-        result = wrapped(*args, **kwargs)
-        request = _ACTIVE.get()
-        if isinstance(request, GenerateRequest) and request.model is instance:
-            try:
-                # by name, whether generate() (keywords) or an overriding model (positional) called it
-                bound = _signature(wrapped).bind(*args, **kwargs).arguments
-                request.on_generated_length(
-                    result, bound.get("input_ids_length"), bound.get("inputs_tensor"), bound.get("model_input_name")
-                )
-            except Exception as fault:
-                log_fault_once("generation config capture", fault)
-        return result
-
-    return wrapper
-
-
-def _get_stopping_criteria_wrapper(telemetry: Telemetry):
-    """Wrapper of ``GenerationMixin._get_stopping_criteria``: returns the criteria as a recording list."""
-
-    def wrapper(wrapped, instance, args, kwargs):
-        criteria = wrapped(*args, **kwargs)
-        request = _ACTIVE.get()
-        if (
-            isinstance(request, GenerateRequest)
-            and request.model is instance
-            and request.timed
-            and request.recorder is None
-        ):
-            try:
-                config = kwargs.get("generation_config", args[0] if args else None)
-                return request.recording_criteria(criteria, config)
-            except Exception as fault:
-                request.incomplete = True
-                log_fault_once("step hook install", fault)
-        return criteria
-
-    return wrapper
-
-
-_FACTORIES = {
-    "generate": _generate_wrapper,
-    "_prepare_generated_length": _prepare_generated_length_wrapper,
-    "_get_stopping_criteria": _get_stopping_criteria_wrapper,
-}
-
-
 class GenerateInstrumentor(BaseInstrumentor):
     """An instrumentor for ``transformers.GenerationMixin.generate``.
 
@@ -320,29 +164,28 @@ class GenerateInstrumentor(BaseInstrumentor):
 
         from otel_generate.profiler import active_profilers
 
-        missing = [name for name in _PATCHED if not hasattr(GenerationMixin, name)]
+        missing = [name for name in generate_loop.WRAPPERS if not hasattr(GenerationMixin, name)]
         if missing:
             _LOG.warning(
                 "otel_generate: this transformers has no GenerationMixin.%s; request spans only, no step spans",
                 ", ".join(missing),
             )
-        tracer = trace.get_tracer(__name__, __version__, options["tracer_provider"])
         telemetry = Telemetry(
-            tracer=tracer,
-            instruments=_create_instruments(options["meter_provider"]),
+            tracer=get_tracer(options["tracer_provider"]),
+            instruments=create_instruments(options["meter_provider"]),
             synchronize=options["synchronize"],
             max_step_spans=options["max_step_spans"],
-            skip_candidate_calls=_assisted_calls_criteria_on_candidates(GenerationMixin),
+            skip_candidate_calls=generate_loop.assisted_calls_criteria_on_candidates(GenerationMixin),
             profilers=active_profilers,
         )
-        for name in _PATCHED:
+        for name, factory in generate_loop.WRAPPERS.items():
             if hasattr(GenerationMixin, name):
-                wrapt.wrap_function_wrapper(_GENERATION_MODULE, f"{_GENERATION_CLASS}.{name}", _FACTORIES[name](telemetry))
+                wrapt.wrap_function_wrapper(generate_loop.MODULE, f"{generate_loop.CLASS}.{name}", factory(telemetry))
 
     def _uninstrument(self, **kwargs: Any) -> None:
         from transformers.generation.utils import GenerationMixin
 
-        for name in _PATCHED:
+        for name in generate_loop.WRAPPERS:
             unwrap(GenerationMixin, name)
 
 

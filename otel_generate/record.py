@@ -24,6 +24,13 @@ class GenerationRecord:
         output_tokens_per_sequence: the same, one count per returned sequence.
         error_type: ``error.type`` when the call raised, else ``None``.
         incomplete: True when a fault inside the instrumentation cut the step data short.
+        time_to_first_token_s: from the start of the request to the end of the first step that
+            produced a token (for ``generate()``, the prefill step's latency), seconds; ``None``
+            when no step completed.
+        time_per_output_token_s: time after the first token divided by the tokens produced
+            after it per sequence, seconds (the GenAI conventions' ``time_per_output_token``,
+            first token excluded; the mean decode-step latency when every step adds one token);
+            ``None`` with fewer than two steps.
     """
 
     model: str
@@ -38,20 +45,5 @@ class GenerationRecord:
     output_tokens_per_sequence: List[int] = field(default_factory=list)
     error_type: Optional[str] = None
     incomplete: bool = False
-
-    @property
-    def time_to_first_token_s(self) -> Optional[float]:
-        """Latency of step 0 (prefill), seconds; ``None`` when no step completed."""
-        return self.step_latencies_s[0] if self.step_latencies_s else None
-
-    @property
-    def time_per_output_token_s(self) -> Optional[float]:
-        """Time of the steps after the first divided by the tokens they produced per sequence, seconds.
-
-        Equals the mean decode-step latency when every step adds one token; ``None`` with fewer
-        than two steps. This is the GenAI conventions' ``time_per_output_token`` (first token excluded).
-        """
-        tokens = sum(self.step_tokens[1:])
-        if len(self.step_latencies_s) < 2 or tokens <= 0:
-            return None
-        return sum(self.step_latencies_s[1:]) / tokens
+    time_to_first_token_s: Optional[float] = None
+    time_per_output_token_s: Optional[float] = None

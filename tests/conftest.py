@@ -53,7 +53,7 @@ def instrumented(tracer_provider, meter_provider):
 def count_recorders(monkeypatch):
     """Count StepRecorder constructions ("init") and step hook calls ("call")."""
     calls = {"init": 0, "call": 0}
-    from otel_generate import _recorder
+    from otel_generate.integrations import step_hook as _recorder
 
     init, call = _recorder.StepRecorder.__init__, _recorder.StepRecorder.__call__
 

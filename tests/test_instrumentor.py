@@ -541,7 +541,7 @@ def test_synchronize_can_be_switched_off(span_exporter, tracer_provider, gpt2, m
 
 
 def test_fault_in_step_hook_is_logged_once_and_generation_goes_on(instrumented, span_exporter, gpt2, monkeypatch, caplog):
-    from otel_generate import _request, clock
+    from otel_generate import _faults, clock
 
     ids, mask = prompt(seed=16)
     expected = uninstrumented_generate(gpt2, ids, attention_mask=mask, max_new_tokens=5, eos_token_id=None)
@@ -555,7 +555,7 @@ def test_fault_in_step_hook_is_logged_once_and_generation_goes_on(instrumented, 
         return real()
 
     monkeypatch.setattr(clock, "monotonic_ns", flaky_clock)
-    monkeypatch.setattr(_request, "_logged_kinds", set())
+    monkeypatch.setattr(_faults, "_logged_kinds", set())
     with caplog.at_level("WARNING", logger="otel_generate"):
         out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=None)
         out2 = gpt2.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=None)

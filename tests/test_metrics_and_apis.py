@@ -139,9 +139,9 @@ def test_callback_with_prompt_lookup_reports_first_token_index_of_each_step(inst
 
 
 def test_raising_callback_does_not_break_generation(instrumented, span_exporter, gpt2, monkeypatch, caplog):
-    from otel_generate import _request
+    from otel_generate import _faults
 
-    monkeypatch.setattr(_request, "_logged_kinds", set())
+    monkeypatch.setattr(_faults, "_logged_kinds", set())
     seen = []
 
     def bad(index, latency):

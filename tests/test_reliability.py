@@ -54,7 +54,9 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from transformers.generation.utils import GenerationMixin
 
 import otel_generate
-from otel_generate import GenerateInstrumentor, _recorder, _request, clock
+from otel_generate import GenerateInstrumentor, _faults, clock
+from otel_generate.integrations import generate_loop
+from otel_generate.integrations import step_hook as _recorder
 from otel_generate import attributes as A
 from otel_generate.models import build_model
 
@@ -120,7 +122,7 @@ def warnings_from_package(caplog):
 @pytest.fixture
 def fresh_fault_log(monkeypatch):
     """Faults are logged once per kind per process: start each test from an empty record."""
-    monkeypatch.setattr(_request, "_logged_kinds", set())
+    monkeypatch.setattr(_faults, "_logged_kinds", set())
 
 
 @pytest.fixture
@@ -342,8 +344,8 @@ def test_two_thousand_requests_do_not_grow_memory_held_by_the_package(gpt2, mete
     assert counter.requests == 2000 and counter.steps == 4000
     # a constant (caches, the fault log) is allowed; 1800 requests leaking even 3 bytes each is not
     assert after_2000 - after_200 <= 4096, (after_200, after_2000)
-    assert _alive(_request.GenerateRequest) == [] and _alive(_recorder.StepRecorder) == []
-    assert _request._ACTIVE.get() is None
+    assert _alive(generate_loop.GenerateCall) == [] and _alive(_recorder.StepRecorder) == []
+    assert generate_loop._ACTIVE.get() is None
     assert otel_context.get_current() == before
 
 
@@ -356,7 +358,7 @@ def test_request_state_dies_with_its_request(instrumented, span_exporter, gpt2):
     """
     ids, mask = prompt(length=5)
     created = []
-    init_request, init_recorder = _request.GenerateRequest.__init__, _recorder.StepRecorder.__init__
+    init_request, init_recorder = generate_loop.GenerateCall.__init__, _recorder.StepRecorder.__init__
 
     def track_request(self, *args, **kwargs):
         created.append(weakref.ref(self))
@@ -374,7 +376,7 @@ def test_request_state_dies_with_its_request(instrumented, span_exporter, gpt2):
     ]
     gc.collect()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_request.GenerateRequest, "__init__", track_request)
+        patch.setattr(generate_loop.GenerateCall, "__init__", track_request)
         patch.setattr(_recorder.StepRecorder, "__init__", track_recorder)
         gc.disable()
         try:
@@ -385,7 +387,7 @@ def test_request_state_dies_with_its_request(instrumented, span_exporter, gpt2):
                 except ValueError:
                     out = None
                 del out
-                assert _request._ACTIVE.get() is None
+                assert generate_loop._ACTIVE.get() is None
                 assert created, "the instrumentation did not run"
                 alive = [type(ref()).__name__ for ref in created if ref() is not None]
                 assert alive == [], f"{alive} outlived generate({kwargs}) (kept alive by a reference cycle)"
@@ -739,7 +741,7 @@ def captured_telemetry(monkeypatch):
     """The options instrument() actually used (the Telemetry object it built)."""
     built = []
 
-    class Recording(_request.Telemetry):
+    class Recording(otel_generate.emit.Telemetry):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             built.append(self)
@@ -911,7 +913,7 @@ def test_span_processor_raising_does_not_break_generate(where, fresh_fault_log, 
     assert messages, "the fault was not logged"
     kinds = [m.split(" failed ")[0] for m in messages]
     assert len(kinds) == len(set(kinds)), messages  # once per kind, not once per request
-    assert _request._ACTIVE.get() is None
+    assert generate_loop._ACTIVE.get() is None
 
 
 def _fault_records(caplog):
@@ -993,4 +995,4 @@ def test_clock_raising_never_breaks_generate(failing, fresh_fault_log, monkeypat
     for request in request_spans(span_exporter):  # whatever request span is exported says so
         assert request.attributes.get(A.GENERATE_STEPS_INCOMPLETE) is True
     assert len(request_spans(span_exporter)) == 2  # even a request that could not start is exported, marked
-    assert _request._ACTIVE.get() is None
+    assert generate_loop._ACTIVE.get() is None

@@ -1,4 +1,4 @@
-"""The per-step hot path: the stopping-criteria call that ends each decode step is timestamped.
+"""The per-step hot path of the ``generate()`` loop: the stopping-criteria call that ends each decode step is timestamped.
 
 transformers calls its ``StoppingCriteriaList`` once per decoding iteration, right after the
 new token(s) were appended (``GenerationMixin._sample``, ``_beam_search``,

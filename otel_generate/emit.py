@@ -1,0 +1,265 @@
+"""Where spans and metrics are built: one finished :class:`~otel_generate.request.Request` in,
+telemetry out, whichever producer recorded it.
+
+* :func:`start_request_span` starts the request span (``text_completion {model}``) when the
+  request starts, so that sampling is decided before any per-step work and the application's
+  own spans made during the request are its children.
+* :func:`finish` ends it: the request attributes, the step spans (built from the recorded
+  timestamps with explicit start and end times, at most ``max_step_spans``), the metrics
+  (recorded while the request span is the current span, so exemplars point at it) and the
+  :class:`~otel_generate.record.GenerationRecord` handed to profilers.
+
+Names and buckets come from :mod:`otel_generate.attributes`; durations are converted from the
+record's nanoseconds here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Collection, Dict, Optional, Sequence
+
+from opentelemetry import context as otel_context
+from opentelemetry import metrics, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from otel_generate import attributes as A
+from otel_generate import clock
+from otel_generate._faults import error_type, log_fault_once
+from otel_generate.record import GenerationRecord
+from otel_generate.request import Request, seconds
+from otel_generate.version import __version__
+
+INSTRUMENTATION_NAME = "otel_generate"
+
+
+class Telemetry:
+    """What ``instrument()`` set up: the tracer, the metric instruments and the options.
+
+    Attributes:
+        tracer: the ``opentelemetry.trace.Tracer`` of this package.
+        instruments: metric name -> histogram (empty: no metrics).
+        synchronize: wait for the device before each clock read.
+        max_step_spans: at most this many step spans per request.
+        skip_candidate_calls: transformers < 4.47 calls the stopping criteria on assisted
+            decoding's candidates too (not a step boundary).
+        profilers: returns the :class:`~otel_generate.TokenLatencyProfiler` objects open in the
+            current context.
+    """
+
+    def __init__(
+        self,
+        tracer: trace.Tracer,
+        instruments: Optional[Dict[str, Any]],
+        synchronize: bool,
+        max_step_spans: int,
+        skip_candidate_calls: bool,
+        profilers: Callable[[], Sequence[Any]],
+    ) -> None:
+        self.tracer = tracer
+        self.instruments = instruments or {}
+        self.synchronize = synchronize
+        self.max_step_spans = max_step_spans
+        self.skip_candidate_calls = skip_candidate_calls
+        self.profilers = profilers
+
+
+def get_tracer(tracer_provider: Any = None) -> trace.Tracer:
+    return trace.get_tracer(INSTRUMENTATION_NAME, __version__, tracer_provider)
+
+
+def create_instruments(meter_provider: Any = None) -> Dict[str, Any]:
+    """The GenAI histograms, with the conventions' units and explicit bucket boundaries."""
+    meter = metrics.get_meter(INSTRUMENTATION_NAME, __version__, meter_provider)
+
+    def histogram(name: str, unit: str, description: str, buckets: Collection[float]) -> Any:
+        return meter.create_histogram(
+            name, unit=unit, description=description, explicit_bucket_boundaries_advisory=list(buckets)
+        )
+
+    return {
+        A.METRIC_TIME_TO_FIRST_TOKEN: histogram(
+            A.METRIC_TIME_TO_FIRST_TOKEN, "s", "Time to generate the first token (prefill step).",
+            A.BUCKETS_TIME_TO_FIRST_TOKEN_S,
+        ),
+        A.METRIC_TIME_PER_OUTPUT_TOKEN: histogram(
+            A.METRIC_TIME_PER_OUTPUT_TOKEN, "s",
+            "Time per output token after the first, per request (mean decode step).",
+            A.BUCKETS_TIME_PER_OUTPUT_TOKEN_S,
+        ),
+        A.METRIC_REQUEST_DURATION: histogram(
+            A.METRIC_REQUEST_DURATION, "s", "Duration of the generate() call.", A.BUCKETS_REQUEST_DURATION_S,
+        ),
+        A.METRIC_TOKEN_USAGE: histogram(
+            A.METRIC_TOKEN_USAGE, "{token}", "Input and output tokens per request.", A.BUCKETS_TOKEN_USAGE,
+        ),
+    }
+
+
+def request_span_name(model: str) -> str:
+    """``{gen_ai.operation.name} {gen_ai.request.model}``, as the GenAI span conventions name it."""
+    return f"{A.OPERATION_TEXT_COMPLETION} {model}"
+
+
+def start_request_span(
+    telemetry: Telemetry, model: str, context: Any = None, start_time: Optional[int] = None
+) -> Any:
+    """Start the request span of ``model`` (kind INTERNAL), a child of ``context`` (default: current).
+
+    ``start_time`` is nanoseconds since the epoch (default: now).
+    """
+    return telemetry.tracer.start_span(
+        request_span_name(model),
+        context=context,
+        kind=SpanKind.INTERNAL,
+        start_time=start_time,
+        attributes={
+            A.GEN_AI_OPERATION_NAME: A.OPERATION_TEXT_COMPLETION,
+            A.GEN_AI_PROVIDER_NAME: A.PROVIDER_TRANSFORMERS,
+            A.GEN_AI_REQUEST_MODEL: model,
+        },
+    )
+
+
+def finish(telemetry: Telemetry, span: Any, request: Request, profilers: Sequence[Any] = ()) -> Optional[GenerationRecord]:
+    """Turn a finished request into telemetry, then end ``span``; never raises.
+
+    Args:
+        telemetry: from ``instrument()``.
+        span: the request span from :func:`start_request_span` (recording or not).
+        request: the finished record (``end_ns`` set; ``error`` set when the request raised).
+        profilers: :class:`~otel_generate.TokenLatencyProfiler` objects to hand the record to.
+
+    Returns:
+        The :class:`GenerationRecord` given to profilers and callers, or ``None`` when building
+        it failed (the fault is logged once; the span still ends).
+    """
+    record = None
+    try:
+        record = _annotate(telemetry, span, request)
+    except Exception as fault:
+        request.incomplete = True
+        log_fault_once("request accounting", fault)
+    try:
+        if request.incomplete and span.is_recording():
+            span.set_attribute(A.GENERATE_STEPS_INCOMPLETE, True)
+        end = request.end_ns
+        span.end(end_time=request.wall_ns(end) if end is not None else None)
+    except Exception as fault:
+        log_fault_once("request span end", fault)
+    if record is not None:
+        if telemetry.instruments:
+            try:
+                _record_metrics(telemetry.instruments, span, record)
+            except Exception as fault:
+                log_fault_once("metrics", fault)
+        for profiler in profilers:
+            try:
+                profiler._add(record)
+            except Exception as fault:
+                log_fault_once("profiler", fault)
+    return record
+
+
+def _annotate(telemetry: Telemetry, span: Any, request: Request) -> GenerationRecord:
+    """Set the request attributes and build the step spans; return the record for the APIs."""
+    latencies_ns = request.step_latencies_ns()
+    ttft_ns = request.time_to_first_token_ns()
+    tpot_ns = request.time_per_output_token_ns()
+    etype = error_type(request.error) if request.error is not None else None
+    if span.is_recording():
+        attrs: Dict[str, Any] = dict(request.parameters)
+        if request.input_tokens is not None:
+            attrs[A.GEN_AI_USAGE_INPUT_TOKENS] = request.input_tokens
+        if request.output_tokens is not None:
+            attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] = request.output_tokens
+        if request.finish_reasons is not None:
+            attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] = list(request.finish_reasons)
+        if request.timed:
+            attrs[A.GENERATE_STEPS] = len(latencies_ns)
+            attrs[A.GENERATE_SYNCHRONIZED] = request.synchronized
+            if request.device is not None:
+                attrs[A.GENERATE_DEVICE] = request.device
+            if ttft_ns is not None:
+                attrs[A.GENERATE_TIME_TO_FIRST_TOKEN_MS] = ttft_ns / clock.NS_PER_MS
+            if tpot_ns is not None:
+                attrs[A.GENERATE_TIME_PER_OUTPUT_TOKEN_MS] = tpot_ns / clock.NS_PER_MS
+        if request.error is not None:
+            attrs[A.ERROR_TYPE] = etype
+            span.record_exception(request.error)
+            span.set_status(Status(StatusCode.ERROR, f"{type(request.error).__name__}: {request.error}"))
+        span.set_attributes(attrs)
+        _emit_steps(telemetry, span, request, latencies_ns)
+    duration = request.duration_ns()
+    return GenerationRecord(
+        model=request.model,
+        strategy=request.parameters.get(A.GENERATE_STRATEGY),
+        device=request.device,
+        synchronized=request.synchronized,
+        duration_s=seconds(duration) if duration is not None else 0.0,
+        step_latencies_s=[lat / clock.NS_PER_S for lat in latencies_ns],
+        step_tokens=list(request.step_tokens),
+        input_tokens=request.input_tokens,
+        output_tokens=request.output_tokens,
+        output_tokens_per_sequence=list(request.output_tokens_per_sequence),
+        error_type=etype,
+        incomplete=request.incomplete,
+        time_to_first_token_s=seconds(ttft_ns),
+        time_per_output_token_s=seconds(tpot_ns),
+    )
+
+
+def _emit_steps(telemetry: Telemetry, span: Any, request: Request, latencies_ns: Sequence[int]) -> None:
+    """One span per step (the first ``max_step_spans``), children of the request span."""
+    steps = len(latencies_ns)
+    emitted = min(steps, telemetry.max_step_spans)
+    span.set_attribute(A.GENERATE_STEP_SPANS_DROPPED, steps - emitted)
+    if not emitted:
+        return
+    start_tracer_span = telemetry.tracer.start_span
+    parent = trace.set_span_in_context(span)
+    wall_offset = request.start_wall_ns - request.start_ns
+    bounds = request.step_bounds_ns()
+    tokens = request.step_tokens
+    token_index = 0
+    for index in range(emitted):
+        phase = A.PHASE_PREFILL if index == 0 else A.PHASE_DECODE
+        start, end = bounds[index]
+        step = start_tracer_span(
+            phase,
+            context=parent,
+            kind=SpanKind.INTERNAL,
+            start_time=start + wall_offset,
+            attributes={
+                A.GENERATE_STEP_INDEX: index,
+                A.GENERATE_TOKEN_INDEX: token_index,
+                A.GENERATE_STEP_TOKENS: tokens[index],
+                A.GENERATE_STEP_LATENCY_MS: latencies_ns[index] / clock.NS_PER_MS,
+                A.GENERATE_STEP_PHASE: phase,
+            },
+        )
+        step.end(end_time=end + wall_offset)
+        token_index += tokens[index]
+
+
+def _record_metrics(instruments: Dict[str, Any], span: Any, record: GenerationRecord) -> None:
+    """The GenAI histograms of one request, recorded while its span is the current span."""
+    base = {
+        A.GEN_AI_OPERATION_NAME: A.OPERATION_TEXT_COMPLETION,
+        A.GEN_AI_PROVIDER_NAME: A.PROVIDER_TRANSFORMERS,
+        A.GEN_AI_REQUEST_MODEL: record.model,
+    }
+    if record.error_type is not None:
+        base[A.ERROR_TYPE] = record.error_type
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        instruments[A.METRIC_REQUEST_DURATION].record(record.duration_s, base)
+        if record.time_to_first_token_s is not None:
+            instruments[A.METRIC_TIME_TO_FIRST_TOKEN].record(record.time_to_first_token_s, base)
+        if record.time_per_output_token_s is not None:
+            instruments[A.METRIC_TIME_PER_OUTPUT_TOKEN].record(record.time_per_output_token_s, base)
+        usage = instruments[A.METRIC_TOKEN_USAGE]
+        if record.input_tokens is not None:
+            usage.record(record.input_tokens, {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_INPUT})
+        if record.output_tokens is not None:
+            usage.record(record.output_tokens, {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_OUTPUT})
+    finally:
+        otel_context.detach(token)
