@@ -1,11 +1,16 @@
 """Every span name, attribute name and fixed attribute value this package emits.
 
-Names under ``gen_ai.*`` follow the OpenTelemetry GenAI semantic conventions
-(https://opentelemetry.io/docs/specs/semconv/gen-ai/gen-ai-spans/ and
-https://opentelemetry.io/docs/specs/semconv/gen-ai/gen-ai-metrics/). They are defined here
-rather than imported from ``opentelemetry.semconv._incubating``, whose constants are private
-and move between releases. Names under ``generate.*`` are this package's own.
+Names under ``gen_ai.*`` follow the OpenTelemetry GenAI semantic conventions as released in
+semantic-conventions v1.41 (the last release before they moved to
+https://github.com/open-telemetry/semantic-conventions-genai; pages gen-ai-spans.md,
+gen-ai-metrics.md and gen-ai-events.md), declared by :data:`SCHEMA_URL` on the tracer, the
+meter and the event logger. They are defined here rather than imported from
+``opentelemetry.semconv._incubating``, whose constants are private and move between releases.
+Names under ``generate.*`` are this package's own. Durations are seconds, with no unit in the name.
 """
+
+#: The semantic-conventions version these names follow.
+SCHEMA_URL = "https://opentelemetry.io/schemas/1.41.0"
 
 # --- GenAI semantic conventions: request span -------------------------------------------------
 GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
@@ -16,6 +21,11 @@ GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
 GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
 GEN_AI_REQUEST_TOP_K = "gen_ai.request.top_k"
 GEN_AI_REQUEST_CHOICE_COUNT = "gen_ai.request.choice.count"
+GEN_AI_REQUEST_STOP_SEQUENCES = "gen_ai.request.stop_sequences"
+GEN_AI_REQUEST_STREAM = "gen_ai.request.stream"
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+#: Seconds from the start of the request to the streamer's first ``put`` of generated tokens.
+GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
@@ -32,11 +42,15 @@ TOKEN_TYPE_OUTPUT = "output"
 
 # --- this package: request span ---------------------------------------------------------------
 GENERATE_STEPS = "generate.steps"
-GENERATE_TIME_TO_FIRST_TOKEN_MS = "generate.time_to_first_token_ms"
-GENERATE_TIME_PER_OUTPUT_TOKEN_MS = "generate.time_per_output_token_ms"
+#: Seconds from the start of the request to the end of the step that produced the first token.
+GENERATE_TIME_TO_FIRST_TOKEN = "generate.time_to_first_token"
+#: Seconds after the first token divided by the tokens produced after it (per sequence).
+GENERATE_TIME_PER_OUTPUT_TOKEN = "generate.time_per_output_token"
 GENERATE_BATCH_SIZE = "generate.batch_size"
 GENERATE_NUM_BEAMS = "generate.num_beams"
 GENERATE_STRATEGY = "generate.strategy"
+#: Seconds spent inside the streamer's ``put`` and ``end`` calls (part of the step latencies).
+GENERATE_STREAMER_DURATION = "generate.streamer.duration"
 GENERATE_DEVICE = "generate.device"
 GENERATE_SYNCHRONIZED = "generate.synchronized"
 #: Number of decode steps that were timed but not emitted as step spans (``max_step_spans`` cap).
@@ -62,7 +76,8 @@ STEP_SPAN_DECODE = "decode"
 GENERATE_STEP_INDEX = "generate.step.index"
 GENERATE_TOKEN_INDEX = "generate.token.index"
 GENERATE_STEP_TOKENS = "generate.step.tokens"
-GENERATE_STEP_LATENCY_MS = "generate.step.latency_ms"
+#: The step's duration, seconds.
+GENERATE_STEP_LATENCY = "generate.step.latency"
 GENERATE_STEP_PHASE = "generate.step.phase"
 PHASE_PREFILL = STEP_SPAN_PREFILL
 PHASE_DECODE = STEP_SPAN_DECODE
@@ -71,6 +86,7 @@ PHASE_DECODE = STEP_SPAN_DECODE
 METRIC_TIME_TO_FIRST_TOKEN = "gen_ai.server.time_to_first_token"
 METRIC_TIME_PER_OUTPUT_TOKEN = "gen_ai.server.time_per_output_token"
 METRIC_REQUEST_DURATION = "gen_ai.server.request.duration"
+METRIC_CLIENT_OPERATION_DURATION = "gen_ai.client.operation.duration"
 METRIC_TOKEN_USAGE = "gen_ai.client.token.usage"
 
 # Explicit bucket boundaries from the GenAI metrics page (seconds, or tokens for usage).
@@ -81,4 +97,5 @@ BUCKETS_TIME_PER_OUTPUT_TOKEN_S = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
 )
 BUCKETS_REQUEST_DURATION_S = tuple(round(0.01 * 2**i, 2) for i in range(14))  # 0.01 .. 81.92
+BUCKETS_OPERATION_DURATION_S = BUCKETS_REQUEST_DURATION_S  # the same boundaries on the metrics page
 BUCKETS_TOKEN_USAGE = tuple(4**i for i in range(14))  # 1 .. 67108864

@@ -63,12 +63,13 @@ class Telemetry:
 
 
 def get_tracer(tracer_provider: Any = None) -> trace.Tracer:
-    return trace.get_tracer(INSTRUMENTATION_NAME, __version__, tracer_provider)
+    """This package's tracer, with the semantic-conventions :data:`~otel_generate.attributes.SCHEMA_URL`."""
+    return trace.get_tracer(INSTRUMENTATION_NAME, __version__, tracer_provider, schema_url=A.SCHEMA_URL)
 
 
 def create_instruments(meter_provider: Any = None) -> Dict[str, Any]:
     """The GenAI histograms, with the conventions' units and explicit bucket boundaries."""
-    meter = metrics.get_meter(INSTRUMENTATION_NAME, __version__, meter_provider)
+    meter = metrics.get_meter(INSTRUMENTATION_NAME, __version__, meter_provider, schema_url=A.SCHEMA_URL)
 
     def histogram(name: str, unit: str, description: str, buckets: Collection[float]) -> Any:
         return meter.create_histogram(
@@ -86,7 +87,12 @@ def create_instruments(meter_provider: Any = None) -> Dict[str, Any]:
             A.BUCKETS_TIME_PER_OUTPUT_TOKEN_S,
         ),
         A.METRIC_REQUEST_DURATION: histogram(
-            A.METRIC_REQUEST_DURATION, "s", "Duration of the generate() call.", A.BUCKETS_REQUEST_DURATION_S,
+            A.METRIC_REQUEST_DURATION, "s", "Duration of the request, as the model server sees it.",
+            A.BUCKETS_REQUEST_DURATION_S,
+        ),
+        A.METRIC_CLIENT_OPERATION_DURATION: histogram(
+            A.METRIC_CLIENT_OPERATION_DURATION, "s", "Duration of the generate() call, as its caller sees it.",
+            A.BUCKETS_OPERATION_DURATION_S,
         ),
         A.METRIC_TOKEN_USAGE: histogram(
             A.METRIC_TOKEN_USAGE, "{token}", "Input and output tokens per request.", A.BUCKETS_TOKEN_USAGE,
@@ -115,6 +121,7 @@ def start_request_span(
             A.GEN_AI_OPERATION_NAME: A.OPERATION_TEXT_COMPLETION,
             A.GEN_AI_PROVIDER_NAME: A.PROVIDER_TRANSFORMERS,
             A.GEN_AI_REQUEST_MODEL: model,
+            A.GEN_AI_RESPONSE_MODEL: model,
         },
     )
 
@@ -173,15 +180,19 @@ def _annotate(telemetry: Telemetry, span: Any, request: Request) -> GenerationRe
             attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] = request.output_tokens
         if request.finish_reasons is not None:
             attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] = list(request.finish_reasons)
+        if request.first_chunk_ns is not None:
+            attrs[A.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] = (request.first_chunk_ns - request.start_ns) / clock.NS_PER_S
+        if request.streamer_ns is not None:
+            attrs[A.GENERATE_STREAMER_DURATION] = request.streamer_ns / clock.NS_PER_S
         if request.timed:
             attrs[A.GENERATE_STEPS] = len(latencies_ns)
             attrs[A.GENERATE_SYNCHRONIZED] = request.synchronized
             if request.device is not None:
                 attrs[A.GENERATE_DEVICE] = request.device
             if ttft_ns is not None:
-                attrs[A.GENERATE_TIME_TO_FIRST_TOKEN_MS] = ttft_ns / clock.NS_PER_MS
+                attrs[A.GENERATE_TIME_TO_FIRST_TOKEN] = ttft_ns / clock.NS_PER_S
             if tpot_ns is not None:
-                attrs[A.GENERATE_TIME_PER_OUTPUT_TOKEN_MS] = tpot_ns / clock.NS_PER_MS
+                attrs[A.GENERATE_TIME_PER_OUTPUT_TOKEN] = tpot_ns / clock.NS_PER_S
         if request.error is not None:
             attrs[A.ERROR_TYPE] = etype
             span.record_exception(request.error)
@@ -232,7 +243,7 @@ def _emit_steps(telemetry: Telemetry, span: Any, request: Request, latencies_ns:
                 A.GENERATE_STEP_INDEX: index,
                 A.GENERATE_TOKEN_INDEX: token_index,
                 A.GENERATE_STEP_TOKENS: tokens[index],
-                A.GENERATE_STEP_LATENCY_MS: latencies_ns[index] / clock.NS_PER_MS,
+                A.GENERATE_STEP_LATENCY: latencies_ns[index] / clock.NS_PER_S,
                 A.GENERATE_STEP_PHASE: phase,
             },
         )
@@ -252,9 +263,11 @@ def _record_metrics(instruments: Dict[str, Any], span: Any, record: GenerationRe
     token = otel_context.attach(trace.set_span_in_context(span))
     try:
         instruments[A.METRIC_REQUEST_DURATION].record(record.duration_s, base)
-        if record.time_to_first_token_s is not None:
+        instruments[A.METRIC_CLIENT_OPERATION_DURATION].record(record.duration_s, base)
+        # defined for successful responses only (GenAI metrics page)
+        if record.error_type is None and record.time_to_first_token_s is not None:
             instruments[A.METRIC_TIME_TO_FIRST_TOKEN].record(record.time_to_first_token_s, base)
-        if record.time_per_output_token_s is not None:
+        if record.error_type is None and record.time_per_output_token_s is not None:
             instruments[A.METRIC_TIME_PER_OUTPUT_TOKEN].record(record.time_per_output_token_s, base)
         usage = instruments[A.METRIC_TOKEN_USAGE]
         if record.input_tokens is not None:

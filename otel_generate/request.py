@@ -65,6 +65,8 @@ class Request:
         error: the exception that ended the request, or ``None``.
         incomplete: a fault inside the instrumentation cut the step data short.
         calls: the inner ``generate()`` calls, when the request has any.
+        first_chunk_ns: when a streamer was first handed generated tokens (streaming requests).
+        streamer_ns: nanoseconds spent inside the streamer's calls (streaming requests).
     """
 
     model: str
@@ -85,6 +87,8 @@ class Request:
     error: Optional[BaseException] = None
     incomplete: bool = False
     calls: List[InnerCall] = field(default_factory=list)
+    first_chunk_ns: Optional[int] = None
+    streamer_ns: Optional[int] = None
 
     # --- derived figures (nanoseconds) ---------------------------------------------------------
     def wall_ns(self, monotonic_ns: int) -> int:

@@ -85,6 +85,33 @@ def t5():
     return build_model("t5", seed=0)
 
 
+#: Characters of :func:`char_tokenizer`, ids 1..len(CHARS); 0 is padding and 127 EOS, as in the built models.
+CHARS = "abcdefghijklmnopqrstuvwxyz .,!?"
+
+
+def char_tokenizer():
+    """A character-level ``PreTrainedTokenizerFast`` over the built models' 128 ids, built locally.
+
+    ``"a"`` is id 1 ... ``"?"`` id 31, ``<pad>`` 0, ``</s>`` 127 (the built models' PAD and EOS);
+    the other ids are ``<xN>`` placeholders. Decoding joins the characters with no separator.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, **{c: i for i, c in enumerate(CHARS, start=1)}}
+    vocab.update({f"<x{i}>": i for i in range(len(vocab), 127)})
+    vocab["</s>"] = 127
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<x100>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<x100>")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return char_tokenizer()
+
+
 def request_spans(exporter):
     return [s for s in exporter.get_finished_spans() if s.name.startswith(A.OPERATION_TEXT_COMPLETION + " ")]
 

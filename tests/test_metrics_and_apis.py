@@ -53,6 +53,8 @@ def test_twenty_requests_of_eight_tokens(instrumented, metric_reader, gpt2):
     assert tpot.count == 20
     (duration,) = found[A.METRIC_REQUEST_DURATION]
     assert duration.count == 20
+    (operation,) = found[A.METRIC_CLIENT_OPERATION_DURATION]
+    assert operation.count == 20 and operation.sum == duration.sum
     (output,) = by_token_type(found[A.METRIC_TOKEN_USAGE], A.TOKEN_TYPE_OUTPUT)
     (inputs,) = by_token_type(found[A.METRIC_TOKEN_USAGE], A.TOKEN_TYPE_INPUT)
     assert output.count == 20 and output.sum == 160
@@ -75,6 +77,8 @@ def test_bucket_boundaries_are_the_semconv_ones(instrumented, metric_reader, gpt
         A.METRIC_TIME_PER_OUTPUT_TOKEN: [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5],
         A.METRIC_REQUEST_DURATION: [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
                                     40.96, 81.92],
+        A.METRIC_CLIENT_OPERATION_DURATION: [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24,
+                                             20.48, 40.96, 81.92],
         A.METRIC_TOKEN_USAGE: [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304,
                                16777216, 67108864],
     }
@@ -101,6 +105,7 @@ def test_unit_and_instrument_names(instrumented, metric_reader, gpt2):
         A.METRIC_TIME_TO_FIRST_TOKEN: "s",
         A.METRIC_TIME_PER_OUTPUT_TOKEN: "s",
         A.METRIC_REQUEST_DURATION: "s",
+        A.METRIC_CLIENT_OPERATION_DURATION: "s",
         A.METRIC_TOKEN_USAGE: "{token}",
     }
 
@@ -121,7 +126,7 @@ def test_callback_matches_step_spans(instrumented, span_exporter, gpt2):
     assert [index for index, _ in calls] == [s.attributes[A.GENERATE_TOKEN_INDEX] for s in steps] == list(range(6))
     for (_, latency), step in zip(calls, steps):
         assert isinstance(latency, float)
-        assert latency == pytest.approx(step.attributes[A.GENERATE_STEP_LATENCY_MS] / 1000, rel=1e-12)
+        assert latency == pytest.approx(step.attributes[A.GENERATE_STEP_LATENCY], rel=1e-12)
 
 
 def test_callback_with_prompt_lookup_reports_first_token_index_of_each_step(instrumented, span_exporter, gpt2):
@@ -212,7 +217,7 @@ def test_profiler_records_and_spans_both_with_sdk(instrumented, span_exporter, g
     assert first.step_tokens == [1] * 5
     assert len(request_spans(span_exporter)) == 3
     spans = step_spans(span_exporter, request_spans(span_exporter)[0])
-    assert first.step_latencies_s == pytest.approx([s.attributes[A.GENERATE_STEP_LATENCY_MS] / 1000 for s in spans])
+    assert first.step_latencies_s == pytest.approx([s.attributes[A.GENERATE_STEP_LATENCY] for s in spans])
     assert first.time_to_first_token_s == first.step_latencies_s[0]
     assert first.time_per_output_token_s == pytest.approx(sum(first.step_latencies_s[1:]) / 4)
 
@@ -326,7 +331,7 @@ def test_generation_config_flag_attaches_token_latencies(instrumented, span_expo
     assert torch.equal(out.sequences, expected.sequences)
     assert set(out.keys()) == set(expected.keys())  # nothing added to the ModelOutput's fields
     steps = step_spans(span_exporter)
-    assert out.token_latencies == pytest.approx([s.attributes[A.GENERATE_STEP_LATENCY_MS] / 1000 for s in steps])
+    assert out.token_latencies == pytest.approx([s.attributes[A.GENERATE_STEP_LATENCY] for s in steps])
     assert len(out.token_latencies) == 4
     assert not [w for w in recwarn if "track_token_latency" in str(w.message)]
 

@@ -208,6 +208,10 @@ CONDITIONAL = {
     A.GEN_AI_REQUEST_TOP_P,
     A.GEN_AI_REQUEST_TOP_K,
     A.GEN_AI_REQUEST_CHOICE_COUNT,
+    A.GEN_AI_REQUEST_STOP_SEQUENCES,
+    A.GEN_AI_REQUEST_STREAM,
+    A.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK,
+    A.GENERATE_STREAMER_DURATION,
     A.GENERATE_STEPS_INCOMPLETE,
     A.ERROR_TYPE,
 }
@@ -370,7 +374,7 @@ def test_round_trip_span_tree(exported):
         assert step_attrs[A.GENERATE_STEP_TOKENS] == ("int_value", 1)
         assert step_attrs[A.GENERATE_STEP_PHASE] == ("string_value", step.name)
         latency_ns = step.end_time_unix_nano - step.start_time_unix_nano
-        assert step_attrs[A.GENERATE_STEP_LATENCY_MS][1] == pytest.approx(latency_ns / 1e6, abs=1e-3)
+        assert step_attrs[A.GENERATE_STEP_LATENCY][1] == pytest.approx(latency_ns / 1e9, abs=1e-6)
 
     # times: steps inside the request span and back to back; the request inside the app span
     for previous, step in zip(steps, steps[1:]):
@@ -411,10 +415,10 @@ def test_round_trip_contract_attributes_and_values(exported):
     assert values[A.GENERATE_SYNCHRONIZED] is True
     assert values[A.GENERATE_STEP_SPANS_DROPPED] == 0
     # the app printed the profiler's numbers (3 decimals, ms); the span carries the same measurement
-    assert values[A.GENERATE_TIME_TO_FIRST_TOKEN_MS] == pytest.approx(out["ttft_ms"], abs=6e-4)
-    assert values[A.GENERATE_TIME_PER_OUTPUT_TOKEN_MS] == pytest.approx(out["tpot_ms"], abs=6e-4)
+    assert values[A.GENERATE_TIME_TO_FIRST_TOKEN] * 1e3 == pytest.approx(out["ttft_ms"], abs=6e-4)
+    assert values[A.GENERATE_TIME_PER_OUTPUT_TOKEN] * 1e3 == pytest.approx(out["tpot_ms"], abs=6e-4)
     ((_, _, prefill),) = by_name[A.STEP_SPAN_PREFILL]
-    assert values[A.GENERATE_TIME_TO_FIRST_TOKEN_MS] == attributes(prefill.attributes)[A.GENERATE_STEP_LATENCY_MS][1]
+    assert values[A.GENERATE_TIME_TO_FIRST_TOKEN] == attributes(prefill.attributes)[A.GENERATE_STEP_LATENCY][1]
 
 
 def test_round_trip_metrics(exported):
@@ -433,6 +437,7 @@ def test_round_trip_metrics(exported):
         A.METRIC_TIME_TO_FIRST_TOKEN: ("s", A.BUCKETS_TIME_TO_FIRST_TOKEN_S),
         A.METRIC_TIME_PER_OUTPUT_TOKEN: ("s", A.BUCKETS_TIME_PER_OUTPUT_TOKEN_S),
         A.METRIC_REQUEST_DURATION: ("s", A.BUCKETS_REQUEST_DURATION_S),
+        A.METRIC_CLIENT_OPERATION_DURATION: ("s", A.BUCKETS_OPERATION_DURATION_S),
         A.METRIC_TOKEN_USAGE: ("{token}", A.BUCKETS_TOKEN_USAGE),
     }
     assert set(ours) == set(expected)
@@ -457,10 +462,10 @@ def test_round_trip_metrics(exported):
     span_values = {k: v for k, (_, v) in attributes(request.attributes).items()}
     ttft = points[(A.METRIC_TIME_TO_FIRST_TOKEN, None)]
     assert ttft.count == 1
-    assert ttft.sum == pytest.approx(span_values[A.GENERATE_TIME_TO_FIRST_TOKEN_MS] / 1e3, rel=1e-9)
+    assert ttft.sum == pytest.approx(span_values[A.GENERATE_TIME_TO_FIRST_TOKEN], rel=1e-9)
     tpot = points[(A.METRIC_TIME_PER_OUTPUT_TOKEN, None)]
     assert tpot.count == 1
-    assert tpot.sum == pytest.approx(span_values[A.GENERATE_TIME_PER_OUTPUT_TOKEN_MS] / 1e3, rel=1e-9)
+    assert tpot.sum == pytest.approx(span_values[A.GENERATE_TIME_PER_OUTPUT_TOKEN], rel=1e-9)
     duration = points[(A.METRIC_REQUEST_DURATION, None)]
     assert duration.count == 1
     # measured from where step 0 starts (generation start) to the request span's end
@@ -506,11 +511,13 @@ def test_sampling_and_error_attributes_keep_their_types_on_the_wire(gpt2):
     sampled, failed = sorted(requests, key=lambda s: s.start_time_unix_nano)
     sampled_attrs = attributes(sampled.attributes)
     assert_wire_types(
-        sampled_attrs, REQUEST_CONTRACT, set(REQUEST_CONTRACT) - {A.GENERATE_STEPS_INCOMPLETE, A.ERROR_TYPE}
+        sampled_attrs, REQUEST_CONTRACT,
+        set(REQUEST_CONTRACT) - CONDITIONAL | {A.GEN_AI_REQUEST_TEMPERATURE, A.GEN_AI_REQUEST_TOP_P,
+                                               A.GEN_AI_REQUEST_TOP_K, A.GEN_AI_REQUEST_CHOICE_COUNT},
     )
     assert sampled_attrs[A.GEN_AI_REQUEST_TEMPERATURE][1] == pytest.approx(0.7)
     assert sampled_attrs[A.GEN_AI_REQUEST_TOP_P][1] == pytest.approx(0.9)
-    assert sampled_attrs[A.GEN_AI_REQUEST_TOP_K] == ("int_value", 20)
+    assert sampled_attrs[A.GEN_AI_REQUEST_TOP_K] == ("double_value", 20.0)
     assert sampled_attrs[A.GEN_AI_REQUEST_CHOICE_COUNT] == ("int_value", 2)
     assert sampled_attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == ("int_value", output.shape[0] * (output.shape[1] - 4))
     assert sampled_attrs[A.GEN_AI_RESPONSE_FINISH_REASONS][1] == [("string_value", A.FINISH_REASON_LENGTH)] * 2

@@ -66,21 +66,27 @@ LOGGER = "otel_generate"
 
 #: The attributes every successful request span carries (greedy, one sequence per prompt).
 REQUEST_CONTRACT = {
-    A.GEN_AI_OPERATION_NAME, A.GEN_AI_PROVIDER_NAME, A.GEN_AI_REQUEST_MODEL, A.GEN_AI_REQUEST_MAX_TOKENS,
+    A.GEN_AI_OPERATION_NAME, A.GEN_AI_PROVIDER_NAME, A.GEN_AI_REQUEST_MODEL, A.GEN_AI_RESPONSE_MODEL,
+    A.GEN_AI_REQUEST_MAX_TOKENS,
     A.GEN_AI_USAGE_INPUT_TOKENS, A.GEN_AI_USAGE_OUTPUT_TOKENS, A.GEN_AI_RESPONSE_FINISH_REASONS,
-    A.GENERATE_STEPS, A.GENERATE_TIME_TO_FIRST_TOKEN_MS, A.GENERATE_TIME_PER_OUTPUT_TOKEN_MS,
+    A.GENERATE_STEPS, A.GENERATE_TIME_TO_FIRST_TOKEN, A.GENERATE_TIME_PER_OUTPUT_TOKEN,
     A.GENERATE_BATCH_SIZE, A.GENERATE_NUM_BEAMS, A.GENERATE_STRATEGY, A.GENERATE_DEVICE,
     A.GENERATE_SYNCHRONIZED, A.GENERATE_STEP_SPANS_DROPPED,
 }
 #: Added when sampling / when more than one sequence per prompt is returned.
 SAMPLING_CONTRACT = {A.GEN_AI_REQUEST_TEMPERATURE, A.GEN_AI_REQUEST_TOP_P, A.GEN_AI_REQUEST_TOP_K}
 CHOICES_CONTRACT = {A.GEN_AI_REQUEST_CHOICE_COUNT}
+#: Added when a streamer is passed (and the request is timed) / when stop_strings are given.
+STREAM_CONTRACT = {A.GEN_AI_REQUEST_STREAM, A.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, A.GENERATE_STREAMER_DURATION}
+STOP_CONTRACT = {A.GEN_AI_REQUEST_STOP_SEQUENCES}
 STEP_CONTRACT = {
-    A.GENERATE_STEP_INDEX, A.GENERATE_TOKEN_INDEX, A.GENERATE_STEP_TOKENS, A.GENERATE_STEP_LATENCY_MS,
+    A.GENERATE_STEP_INDEX, A.GENERATE_TOKEN_INDEX, A.GENERATE_STEP_TOKENS, A.GENERATE_STEP_LATENCY,
     A.GENERATE_STEP_PHASE,
 }
 #: The most attributes a request span can carry (README: keep attribute count limits at or above it).
-MAX_REQUEST_ATTRIBUTES = len(REQUEST_CONTRACT | SAMPLING_CONTRACT | CHOICES_CONTRACT) + 1  # + steps.incomplete
+MAX_REQUEST_ATTRIBUTES = (
+    len(REQUEST_CONTRACT | SAMPLING_CONTRACT | CHOICES_CONTRACT | STREAM_CONTRACT | STOP_CONTRACT) + 1  # + steps.incomplete
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -411,21 +417,21 @@ def test_step_span_cap_keeps_totals_and_states_what_was_not_emitted(how, cap, no
     with instrumentation(**options):
         out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None,
                             return_dict_in_generate=True, track_token_latency=True)
-    latencies_ms = [latency * 1e3 for latency in out.token_latencies]  # every step, from the same clock
-    assert len(latencies_ms) == 12
+    latencies_s = list(out.token_latencies)  # every step, from the same clock
+    assert len(latencies_s) == 12
 
     request = only_request(exporter)
     steps = step_spans(exporter, request)
     attrs = request.attributes
     assert len(step_spans(exporter)) == len(steps) == cap
     assert [s.attributes[A.GENERATE_STEP_INDEX] for s in steps] == list(range(cap))  # the first ones
-    assert [s.attributes[A.GENERATE_STEP_LATENCY_MS] for s in steps] == pytest.approx(latencies_ms[:cap])
+    assert [s.attributes[A.GENERATE_STEP_LATENCY] for s in steps] == pytest.approx(latencies_s[:cap])
     assert attrs[A.GENERATE_STEPS] == 12
     assert attrs[A.GENERATE_STEP_SPANS_DROPPED] == 12 - cap
     assert attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 12
     # the summary is computed from all 12 steps, not only from the emitted ones
-    assert attrs[A.GENERATE_TIME_TO_FIRST_TOKEN_MS] == pytest.approx(latencies_ms[0])
-    assert attrs[A.GENERATE_TIME_PER_OUTPUT_TOKEN_MS] == pytest.approx(sum(latencies_ms[1:]) / 11)
+    assert attrs[A.GENERATE_TIME_TO_FIRST_TOKEN] == pytest.approx(latencies_s[0])
+    assert attrs[A.GENERATE_TIME_PER_OUTPUT_TOKEN] == pytest.approx(sum(latencies_s[1:]) / 11)
     assert A.GENERATE_STEPS_INCOMPLETE not in attrs
 
 
@@ -522,13 +528,24 @@ def test_contract_attributes_survive_span_limits(limits, no_package_env, gpt2):
             assert set(span.attributes) == STEP_CONTRACT
 
 
-def test_the_largest_request_span_fits_the_documented_bound(no_package_env, fresh_fault_log, monkeypatch, gpt2):
-    """Sampling, several sequences, a fault (incomplete): MAX_REQUEST_ATTRIBUTES attributes, none dropped."""
-    assert MAX_REQUEST_ATTRIBUTES == 21  # the README states this number
+def test_the_largest_request_span_fits_the_documented_bound(no_package_env, fresh_fault_log, monkeypatch, gpt2,
+                                                            tokenizer):
+    """Sampling, several sequences, a streamer, stop strings and a fault (incomplete):
+    MAX_REQUEST_ATTRIBUTES attributes, none dropped."""
+    from transformers.generation.streamers import BaseStreamer
+
+    assert MAX_REQUEST_ATTRIBUTES == 26  # the docs state this number
     monkeypatch.setattr(clock, "devices_of", lambda model: ["cuda:0"])
 
     def broken_synchronize(device=None):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    class Sink(BaseStreamer):
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
 
     monkeypatch.setattr(torch.cuda, "synchronize", broken_synchronize)
     provider, exporter = provider_with(span_limits=SpanLimits(max_span_attributes=MAX_REQUEST_ATTRIBUTES))
@@ -536,7 +553,7 @@ def test_the_largest_request_span_fits_the_documented_bound(no_package_env, fres
     with instrumentation(tracer_provider=provider):
         torch.manual_seed(0)
         gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None, do_sample=True,
-                      num_return_sequences=2)
+                      num_return_sequences=2, streamer=Sink(), stop_strings=["zz"], tokenizer=tokenizer)
     request = only_request(exporter)
     assert len(request.attributes) == MAX_REQUEST_ATTRIBUTES and request.dropped_attributes == 0
     assert request.attributes[A.GENERATE_STEPS_INCOMPLETE] is True

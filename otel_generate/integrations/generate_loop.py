@@ -22,6 +22,7 @@ import inspect
 import logging
 from typing import Any, Callable, List, Optional
 
+import wrapt
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
@@ -69,6 +70,7 @@ def strategy_of(generation_config: Any, assistant_model: Any) -> str:
         assistant_model is not None
         or getattr(generation_config, "prompt_lookup_num_tokens", None) is not None
         or getattr(generation_config, "assistant_early_exit", None) is not None
+        or getattr(generation_config, "use_mtp", None)
     ):
         return A.STRATEGY_ASSISTED
     beams = getattr(generation_config, "num_beams", 1) or 1
@@ -118,6 +120,7 @@ class GenerateCall:
         self.model_input_name: Any = None
         self.recorder: Any = None
         self.sync: Optional[Callable[[], None]] = None
+        self.streamer: Optional[_TimedStreamer] = None
 
         self.span = emit.start_request_span(telemetry, self.name)
         try:
@@ -147,6 +150,11 @@ class GenerateCall:
                 self.span.set_attribute(A.GENERATE_STEPS_INCOMPLETE, True)
             self.span.end()
             raise
+        streamer = kwargs.get("streamer")
+        if streamer is not None:
+            self.request.parameters[A.GEN_AI_REQUEST_STREAM] = True
+            if self.timed:
+                self.streamer = kwargs["streamer"] = _TimedStreamer(streamer, self.request.start_ns)
         self._context_token = otel_context.attach(trace.set_span_in_context(self.span))
 
     # --- hooks called from inside generate() ------------------------------------------------
@@ -323,8 +331,43 @@ class GenerateCall:
                     (A.GEN_AI_REQUEST_TOP_K, "top_k"),
                 ):
                     value = getattr(config, name, None)
-                    if value is not None:
-                        params[key] = int(value) if name == "top_k" else float(value)
+                    if value is not None:  # doubles, top_k included (GenAI span conventions)
+                        params[key] = float(value)
+            stop_strings = getattr(config, "stop_strings", None)
+            if stop_strings:
+                params[A.GEN_AI_REQUEST_STOP_SEQUENCES] = [stop_strings] if isinstance(stop_strings, str) else [str(s) for s in stop_strings]
+        if self.streamer is not None:
+            request.first_chunk_ns = self.streamer._self_first_chunk_ns
+            request.streamer_ns = self.streamer._self_inside_ns
+
+
+class _TimedStreamer(wrapt.ObjectProxy):
+    """The user's streamer, with its calls timed (it is the same object to transformers and to
+    ``isinstance``). transformers' first ``put`` is the prompt (or the decoder start tokens); the
+    first ``put`` after it carries the first generated tokens."""
+
+    def __init__(self, streamer: Any, start_ns: int) -> None:
+        super().__init__(streamer)
+        self._self_puts = 0
+        self._self_first_chunk_ns: Optional[int] = None
+        self._self_inside_ns = 0
+
+    def put(self, value: Any) -> Any:
+        started = clock.monotonic_ns()
+        self._self_puts += 1
+        if self._self_puts == 2:
+            self._self_first_chunk_ns = started
+        try:
+            return self.__wrapped__.put(value)
+        finally:
+            self._self_inside_ns += clock.monotonic_ns() - started
+
+    def end(self) -> Any:
+        started = clock.monotonic_ns()
+        try:
+            return self.__wrapped__.end()
+        finally:
+            self._self_inside_ns += clock.monotonic_ns() - started
 
 
 def _is_tensor(value: Any) -> bool:
