@@ -149,20 +149,40 @@ def finish_reasons(
     counts: Sequence[int],
     max_new_tokens: Optional[int],
     eos_token_id: Optional[Any] = None,
+    forced_eos_token_id: Optional[Any] = None,
+    budget_rows: Iterable[int] = (),
 ) -> List[str]:
-    """One GenAI finish reason per returned sequence.
+    """One GenAI finish reason per returned sequence (``gen_ai.response.finish_reasons``).
 
-    ``"stop"`` when the continuation holds an EOS token or the row was stopped before its
-    budget (a stopping criterion, a stop string); ``"length"`` when it used all
-    ``max_new_tokens`` without an EOS. Values from the GenAI semantic conventions
-    (``gen_ai.response.finish_reasons``).
+    ``"length"`` when a budget ended the row: it used all ``max_new_tokens`` (or ``max_length``)
+    without an EOS of its own, ``budget_rows`` names it (rows that ``max_time`` stopped), or its
+    last token is an EOS that ``forced_eos_token_id`` forced at the last budget position
+    (``ForcedEOSTokenLogitsProcessor``). ``"stop"`` when the model produced EOS by itself, a
+    stop string matched, or a stopping criterion of the user's ended it.
+
+    Args:
+        sequences: LongTensor ``(num_sequences, total_length)``.
+        prompt_length: leading positions that were not generated.
+        counts: generated tokens of each row (:func:`count_new_tokens` or :func:`counts_from_done`).
+        max_new_tokens: the token budget, or ``None`` when unknown.
+        eos_token_id: EOS id(s) (int, list, tensor or ``None``).
+        forced_eos_token_id: the generation config's ``forced_eos_token_id`` (id(s) or ``None``).
+        budget_rows: indices of rows a budget other than the token count ended (``max_time``).
+
+    Returns:
+        ``"stop"`` or ``"length"`` for each row, ``len == len(counts)``.
     """
     eos_ids = set(_as_id_list(eos_token_id))
+    forced_ids = set(_as_id_list(forced_eos_token_id))
+    budget_rows = set(budget_rows)
     reasons = []
-    rows = sequences[:, prompt_length:].tolist() if eos_ids else None
+    rows = sequences[:, prompt_length:].tolist() if eos_ids or forced_ids else None
     for row, count in enumerate(counts):
-        ended_with_eos = bool(eos_ids) and count > 0 and rows[row][count - 1] in eos_ids
-        if not ended_with_eos and max_new_tokens is not None and count >= max_new_tokens:
+        last = rows[row][count - 1] if rows is not None and count > 0 else None
+        full = max_new_tokens is not None and count >= max_new_tokens
+        forced = full and last is not None and last in forced_ids
+        ended_with_eos = last is not None and last in eos_ids and not forced
+        if forced or (not ended_with_eos and (full or row in budget_rows)):
             reasons.append(FINISH_REASON_LENGTH)
         else:
             reasons.append(FINISH_REASON_STOP)

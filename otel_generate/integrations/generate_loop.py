@@ -119,6 +119,7 @@ class GenerateCall:
         self.inputs_tensor: Any = None
         self.model_input_name: Any = None
         self.recorder: Any = None
+        self.criteria: Any = None
         self.sync: Optional[Callable[[], None]] = None
         self.streamer: Optional[_TimedStreamer] = None
 
@@ -194,7 +195,8 @@ class GenerateCall:
             # one is_done row per returned sequence (not beam search's flattened candidates)
             keep_done=strategy in _ROW_ALIGNED,
         )
-        return RecordingCriteriaList(criteria, self.recorder)
+        self.criteria = RecordingCriteriaList(criteria, self.recorder)
+        return self.criteria
 
     def _on_fault(self, kind: str, exc: BaseException) -> None:
         if kind == "step hook":
@@ -316,7 +318,11 @@ class GenerateCall:
                 per_sequence = count_new_tokens(sequences, prompt_length, eos, pad)
             request.output_tokens_per_sequence = per_sequence
             request.output_tokens = int(sum(per_sequence))
-            request.finish_reasons = finish_reasons(sequences, prompt_length, per_sequence, max_new, eos)
+            request.finish_reasons = finish_reasons(
+                sequences, prompt_length, per_sequence, max_new, eos,
+                forced_eos_token_id=getattr(config, "forced_eos_token_id", None),
+                budget_rows=self._rows_out_of_time(lengths, prompt_length, per_sequence),
+            )
         if config is not None:
             if max_new is not None and max_new >= 0:
                 params[A.GEN_AI_REQUEST_MAX_TOKENS] = int(max_new)
@@ -339,6 +345,27 @@ class GenerateCall:
         if self.streamer is not None:
             request.first_chunk_ns = self.streamer._self_first_chunk_ns
             request.streamer_ns = self.streamer._self_inside_ns
+
+    def _rows_out_of_time(self, lengths: List[int], prompt_length: int, counts: List[int]) -> List[int]:
+        """Rows that ``max_time`` ended: still running at the last step, which ended after the deadline.
+
+        ``MaxTimeCriteria`` stops every row at once when ``time.time() - initial_timestamp >
+        max_time``; the step's clock read follows the criteria's, so a last step that ended after
+        the deadline is the one ``max_time`` ended.
+        """
+        from transformers.generation.stopping_criteria import MaxTimeCriteria
+
+        request = self.request
+        if not request.step_ends_ns or not lengths or self.criteria is None:
+            return []
+        deadlines = [c.initial_timestamp + c.max_time for c in self.criteria if isinstance(c, MaxTimeCriteria)]
+        if not deadlines:
+            return []
+        last_step_wall_s = request.wall_ns(request.step_ends_ns[-1]) / clock.NS_PER_S
+        if last_step_wall_s <= min(deadlines):
+            return []
+        last = lengths[-1] - prompt_length
+        return [row for row, count in enumerate(counts) if count >= last]
 
 
 class _TimedStreamer(wrapt.ObjectProxy):
