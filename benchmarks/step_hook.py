@@ -41,7 +41,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from otel_generate import clock
 from otel_generate._recorder import RecordingCriteriaList, StepRecorder
-from otel_generate.bench import cpu_model
+from otel_generate.bench.harness import cpu_model
 from otel_generate.version import __version__
 
 TARGET_US = 5.0

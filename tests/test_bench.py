@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from otel_generate import GenerateInstrumentor, bench, clock
-from otel_generate.cli import main
-from otel_generate.models import PAD_TOKEN_ID, build_model
+from otel_generate import GenerateInstrumentor, clock
+from otel_generate.bench import harness, stats
+from otel_generate.bench.cli import main
+from otel_generate.bench.models import PAD_TOKEN_ID, build_model
 from otel_generate.tokens import count_new_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +35,7 @@ def run_cli(*argv):
 def no_eos_continuation(batch_size, new_tokens, prompt_tokens=4, seed=0):
     """What the harness's model generates for its seeded prompt with EOS off (computed apart from the harness)."""
     model = build_model("gpt2", seed=seed)
-    inputs = bench.make_inputs(model, batch_size, prompt_tokens, seed)
+    inputs = harness.make_inputs(model, batch_size, prompt_tokens, seed)
     out = model.generate(
         **inputs, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=PAD_TOKEN_ID
     )
@@ -61,14 +62,14 @@ def check_schema(doc):
         "median_time_to_first_token_ms": NUMBER + (type(None),),
         "median_time_per_output_token_ms": NUMBER + (type(None),),
     }
-    assert set(types) == set(bench.RESULT_KEYS)
+    assert set(types) == set(harness.RESULT_KEYS)
     for key, kind in types.items():
         if key not in doc:
             problems.append(f"missing {key}")
         elif isinstance(doc[key], bool) or not isinstance(doc[key], kind):
             problems.append(f"{key} is {type(doc[key]).__name__}")
     versions = doc.get("versions") if isinstance(doc.get("versions"), dict) else {}
-    for key in bench.VERSION_KEYS:
+    for key in harness.VERSION_KEYS:
         if not isinstance(versions.get(key), str):
             problems.append(f"versions.{key} missing")
     samples = doc.get("samples") if isinstance(doc.get("samples"), list) else []
@@ -107,7 +108,7 @@ def test_json_has_every_key_of_the_issue_with_its_type(tmp_path, capsys):
 
 
 def test_schema_check_rejects_a_document_missing_a_key():
-    doc = {key: 0 for key in bench.RESULT_KEYS}
+    doc = {key: 0 for key in harness.RESULT_KEYS}
     assert check_schema(doc)  # wrong types and missing versions are reported
     assert any("missing median_tokens_per_s" in p for p in check_schema({k: v for k, v in doc.items() if k != "median_tokens_per_s"}))
 
@@ -146,16 +147,16 @@ def test_each_measured_run_is_one_synchronized_generate_between_two_clock_reads(
         now[0] += 0.25
         return now[0]
 
-    monkeypatch.setattr(bench, "synchronizer_for", lambda device: (lambda: log.append("sync")))
-    original = bench._Runner.generate
+    monkeypatch.setattr(harness, "synchronizer_for", lambda device: (lambda: log.append("sync")))
+    original = harness._Runner.generate
 
     def generate(self):
         log.append("call")
         return original(self)
 
-    monkeypatch.setattr(bench._Runner, "generate", generate)
-    config = bench.BenchConfig(new_tokens=3, warmup=2, runs=3)
-    result = bench.run(config, clock=fake_clock)
+    monkeypatch.setattr(harness._Runner, "generate", generate)
+    config = harness.BenchConfig(new_tokens=3, warmup=2, runs=3)
+    result = harness.run(config, clock=fake_clock)
     # warmup calls are not timed; each measured run: sync, clock, generate, sync, clock
     assert log == ["call"] * 2 + ["sync", "clock", "call", "sync", "clock"] * 3
     assert [s["elapsed_s"] for s in result["samples"]] == [0.25] * 3
@@ -179,8 +180,8 @@ def test_each_measured_run_is_one_synchronized_generate_between_two_clock_reads(
     ],
 )
 def test_invalid_counts_raise(changes, message):
-    with pytest.raises(bench.BenchUsageError, match=message):
-        bench.BenchConfig(**changes).validate()
+    with pytest.raises(harness.BenchUsageError, match=message):
+        harness.BenchConfig(**changes).validate()
 
 
 @pytest.mark.parametrize(
@@ -193,14 +194,14 @@ def test_invalid_counts_raise(changes, message):
     ],
 )
 def test_invalid_lengths_raise(prompt, new, positions, message):
-    with pytest.raises(bench.BenchUsageError, match=message):
-        bench.check_lengths(prompt, new, positions)
+    with pytest.raises(harness.BenchUsageError, match=message):
+        harness.check_lengths(prompt, new, positions)
 
 
 def test_lengths_that_fit_exactly_are_accepted():
-    bench.check_lengths(2048, 1, 2048)
-    bench.check_lengths(4, 2045, 2048)  # positions 0..2047 are fed
-    bench.check_lengths(10_000, 10, None)  # no position limit known (relative positions)
+    harness.check_lengths(2048, 1, 2048)
+    harness.check_lengths(4, 2045, 2048)  # positions 0..2047 are fed
+    harness.check_lengths(10_000, 10, None)  # no position limit known (relative positions)
 
 
 @pytest.mark.parametrize(
@@ -209,12 +210,12 @@ def test_lengths_that_fit_exactly_are_accepted():
 )
 def test_invalid_samples_raise(elapsed, counts, message):
     with pytest.raises(ValueError, match=message):
-        bench.make_sample(elapsed, counts)
+        stats.make_sample(elapsed, counts)
 
 
 def test_no_samples_cannot_be_summarized():
     with pytest.raises(ValueError, match="at least one measured run"):
-        bench.summarize([])
+        stats.summarize([])
 
 
 @pytest.mark.parametrize(
@@ -281,7 +282,7 @@ def test_cpu_run_never_calls_a_cuda_function(monkeypatch, tmp_path):
 
 
 def test_three_new_tokens_are_counted_and_the_rate_is_tokens_over_elapsed():
-    result = bench.run(bench.BenchConfig(new_tokens=3, warmup=0, runs=2))
+    result = harness.run(harness.BenchConfig(new_tokens=3, warmup=0, runs=2))
     for sample in result["samples"]:
         assert sample["new_tokens"] == 3 and sample["new_tokens_per_sequence"] == [3]
         assert sample["tokens_per_s"] == sample["new_tokens"] / sample["elapsed_s"]
@@ -315,7 +316,7 @@ def test_batch_of_two_with_one_row_ending_early_counts_each_row():
     expected = [new, new]
     expected[row] = first_index(rows[row], token) + 1
     assert rows[1 - row][-1] != PAD_TOKEN_ID  # the full row does not end in what looks like padding
-    result = bench.run(bench.BenchConfig(new_tokens=new, warmup=0, runs=2, batch_size=2, eos=str(token)))
+    result = harness.run(harness.BenchConfig(new_tokens=new, warmup=0, runs=2, batch_size=2, eos=str(token)))
     for sample in result["samples"]:
         assert sample["new_tokens_per_sequence"] == expected
         assert sample["new_tokens"] == sum(expected)
@@ -323,27 +324,27 @@ def test_batch_of_two_with_one_row_ending_early_counts_each_row():
 
 
 def test_counting_matches_count_new_tokens_on_the_returned_tensor():
-    config = bench.BenchConfig(new_tokens=5, batch_size=2, eos="model")
-    runner = bench._Runner(config, "cpu")
+    config = harness.BenchConfig(new_tokens=5, batch_size=2, eos="model")
+    runner = harness._Runner(config, "cpu")
     out = runner.generate()
     assert runner.counts(out) == count_new_tokens(out, 4, [runner.model.generation_config.eos_token_id], PAD_TOKEN_ID)
 
 
 def test_eos_without_id_uses_the_model_eos():
     model = build_model("gpt2")
-    assert bench.resolve_eos(bench.BenchConfig(eos="model"), model) == [model.generation_config.eos_token_id]
-    assert bench.resolve_eos(bench.BenchConfig(), model) is None
-    with pytest.raises(bench.BenchUsageError, match="outside the model's vocabulary"):
-        bench.resolve_eos(bench.BenchConfig(eos="100000"), model)
+    assert harness.resolve_eos(harness.BenchConfig(eos="model"), model) == [model.generation_config.eos_token_id]
+    assert harness.resolve_eos(harness.BenchConfig(), model) is None
+    with pytest.raises(harness.BenchUsageError, match="outside the model's vocabulary"):
+        harness.resolve_eos(harness.BenchConfig(eos="100000"), model)
 
 
 def test_prompt_avoids_special_tokens_and_is_seeded():
     model = build_model("gpt2")
-    a = bench.make_inputs(model, 3, 50, seed=1)
-    b = bench.make_inputs(model, 3, 50, seed=1)
+    a = harness.make_inputs(model, 3, 50, seed=1)
+    b = harness.make_inputs(model, 3, 50, seed=1)
     assert torch.equal(a["input_ids"], b["input_ids"]) and a["input_ids"].shape == (3, 50)
     assert torch.equal(a["attention_mask"], torch.ones(3, 50, dtype=torch.long))
-    specials = set(bench.special_token_ids(model))
+    specials = set(harness.special_token_ids(model))
     assert specials >= {0, 127} and not (set(a["input_ids"].flatten().tolist()) & specials)
 
 
@@ -379,14 +380,14 @@ def test_plot_writes_a_matplotlib_png_of_every_run(tmp_path, monkeypatch, capsys
 
 def test_compare_interleaves_plain_and_instrumented_and_reports_paired_numbers(monkeypatch):
     instrumented_at_call = []
-    original = bench._Runner.timed
+    original = harness._Runner.timed
 
     def timed(self):
         instrumented_at_call.append(GenerateInstrumentor().is_instrumented_by_opentelemetry)
         return original(self)
 
-    monkeypatch.setattr(bench._Runner, "timed", timed)
-    result = bench.run(bench.BenchConfig(new_tokens=4, warmup=1, runs=3, compare=True))
+    monkeypatch.setattr(harness._Runner, "timed", timed)
+    result = harness.run(harness.BenchConfig(new_tokens=4, warmup=1, runs=3, compare=True))
     cmp = result["compare"]
     # measured runs (profiler: instrumented), then compare: warmup pair, then 3 pairs, A B A B
     assert instrumented_at_call[3:] == [False, True] * 4
@@ -444,6 +445,32 @@ def test_console_script_runs_and_exits_2_on_bad_input():
     assert bad.returncode == 2 and "--runs must be at least 1" in bad.stderr and bad.stdout == ""
 
 
+def test_the_instrumentation_core_never_imports_the_bench():
+    code = """
+import pkgutil, sys, importlib
+import otel_generate
+core = sorted(m.name for m in pkgutil.iter_modules(otel_generate.__path__, "otel_generate.")
+              if m.name not in ("otel_generate.bench", "otel_generate.__main__"))
+for name in core:
+    importlib.import_module(name)
+import torch, transformers
+from otel_generate import GenerateInstrumentor, TokenLatencyProfiler
+config = transformers.GPT2Config(vocab_size=16, n_positions=16, n_embd=8, n_layer=1, n_head=1)
+model = transformers.GPT2LMHeadModel(config).eval()
+with TokenLatencyProfiler() as profiler:  # the core at work: instrument, generate, record, uninstrument
+    model.generate(torch.tensor([[1, 2]]), attention_mask=torch.ones(1, 2, dtype=torch.long),
+                   max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+assert len(profiler.records) == 1 and profiler.records[0].output_tokens == 2
+bench = sorted(m for m in sys.modules if m == "otel_generate.bench" or m.startswith("otel_generate.bench."))
+print(len(core), bench)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    count, loaded = proc.stdout.split(maxsplit=1)
+    assert int(count) >= 10  # every core module was imported
+    assert loaded.strip() == "[]"
+
+
 # --- the step-hook microbenchmark -----------------------------------------------------------------------
 
 
@@ -481,15 +508,15 @@ def test_model_config_builds_random_weights_of_that_architecture(tmp_path):
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(TINY_LLAMA))
-    result = bench.run(bench.BenchConfig(model_config=str(tmp_path), new_tokens=3, warmup=0, runs=1))
+    result = harness.run(harness.BenchConfig(model_config=str(tmp_path), new_tokens=3, warmup=0, runs=1))
     data = dict(TINY_LLAMA)
     reference = transformers.LlamaForCausalLM(transformers.AutoConfig.for_model(data.pop("model_type"), **data))
     assert result["model"].startswith("LlamaForCausalLM (random weights")
     assert result["parameters"] == sum(p.numel() for p in reference.parameters())
     assert [s["new_tokens"] for s in result["samples"]] == [3]
     # its 32 positions are enforced
-    with pytest.raises(bench.BenchUsageError, match="longer than the model's 32 positions"):
-        bench.run(bench.BenchConfig(model_config=str(path), prompt_tokens=40, warmup=0, runs=1))
+    with pytest.raises(harness.BenchUsageError, match="longer than the model's 32 positions"):
+        harness.run(harness.BenchConfig(model_config=str(path), prompt_tokens=40, warmup=0, runs=1))
 
 
 def test_model_config_that_is_not_a_config_exits_2(tmp_path, capsys):

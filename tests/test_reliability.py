@@ -56,7 +56,7 @@ from transformers.generation.utils import GenerationMixin
 import otel_generate
 from otel_generate import GenerateInstrumentor, _recorder, _request, clock
 from otel_generate import attributes as A
-from otel_generate.models import build_model
+from otel_generate.bench.models import build_model
 
 from conftest import console_spans, prompt, request_spans, step_spans, uninstrumented_generate
 
@@ -624,7 +624,7 @@ import sys
 import torch
 from opentelemetry import trace
 from otel_generate import GenerateInstrumentor
-from otel_generate.models import build_model
+from otel_generate.bench.models import build_model
 
 torch.set_num_threads(1)
 GenerateInstrumentor().instrument(max_step_spans=2)  # the application's own manual call

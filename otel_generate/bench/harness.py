@@ -1,6 +1,6 @@
-"""``otel-generate bench``: honest tokens per second, and what the instrumentation costs.
+"""The bench harness: configuration, the measured runs, ``--compare``, and the result document.
 
-One command times ``generate()`` on a device and keeps every sample:
+``otel-generate bench`` times ``generate()`` on a device and keeps every sample:
 
 * the model is built (or loaded) and placed on the device **before** warmup; warmup runs are
   not measured;
@@ -28,19 +28,16 @@ a message on stderr and exit status 2, before anything is written.
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import gc
 import json
 import os
 import platform
-import statistics
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from otel_generate.bench.stats import make_sample, median_of, summarize
 from otel_generate.clock import synchronizer_for, timed_call
 from otel_generate.tokens import count_new_tokens
 
@@ -82,7 +79,7 @@ class BenchUsageError(ValueError):
 
 @dataclass
 class BenchConfig:
-    """What to run. Lengths are in tokens; see :func:`add_arguments` for each option's meaning."""
+    """What to run. Lengths are in tokens; see :func:`otel_generate.bench.cli.add_arguments` for each option."""
 
     device: str = "cpu"
     model: Optional[str] = None
@@ -230,14 +227,14 @@ def check_lengths(prompt_tokens: int, new_tokens: int, positions: Optional[int])
 def build_bench_model(config: BenchConfig, device: str) -> Any:
     """Build or load the model and place it on ``device`` in ``config.dtype`` (eval mode).
 
-    * default: :func:`otel_generate.models.build_model` ("gpt2", random weights, seeded);
-    * ``--model PATH``: :func:`otel_generate.models.load_model` (local checkpoint directory);
+    * default: :func:`otel_generate.bench.models.build_model` ("gpt2", random weights, seeded);
+    * ``--model PATH``: :func:`otel_generate.bench.models.load_model` (local checkpoint directory);
     * ``--model-config PATH``: random weights for a transformers ``config.json`` (a file, or a
       directory holding one), initialised directly on the device.
     """
     import torch
 
-    from otel_generate.models import build_model, dtype_keyword, load_model
+    from otel_generate.bench.models import build_model, dtype_keyword, load_model
 
     dtype = torch_dtype(config.dtype)
     if config.model is not None:
@@ -360,63 +357,6 @@ def prompt_width(model: Any, inputs: Dict[str, Any]) -> int:
 
 def _sequences(output: Any) -> Any:
     return output if hasattr(output, "dim") else output.sequences
-
-
-# --------------------------------------------------------------------------------------------
-# Samples and summaries
-# --------------------------------------------------------------------------------------------
-
-
-def make_sample(elapsed_s: float, new_tokens_per_sequence: Sequence[int]) -> Dict[str, Any]:
-    """One measured run: ``{"elapsed_s", "new_tokens", "tokens_per_s", "new_tokens_per_sequence"}``.
-
-    ``new_tokens`` is the sum over the returned sequences; ``tokens_per_s = new_tokens / elapsed_s``.
-
-    Raises:
-        ValueError: a non-positive elapsed time, no sequences, or a negative count.
-    """
-    if not elapsed_s > 0:
-        raise ValueError(f"elapsed_s must be positive, got {elapsed_s!r}")
-    counts = [int(c) for c in new_tokens_per_sequence]
-    if not counts:
-        raise ValueError("a sample needs the new-token count of at least one sequence")
-    if any(c < 0 for c in counts):
-        raise ValueError(f"new-token counts cannot be negative, got {counts}")
-    total = sum(counts)
-    return {
-        "elapsed_s": float(elapsed_s),
-        "new_tokens": total,
-        "tokens_per_s": total / elapsed_s,
-        "new_tokens_per_sequence": counts,
-    }
-
-
-def median_of(values: Sequence[Optional[float]]) -> Optional[float]:
-    """Median of the non-``None`` values, ``None`` when there are none."""
-    present = [float(v) for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
-def summarize(samples: Sequence[Dict[str, Any]]) -> Dict[str, Optional[float]]:
-    """Medians over the samples (elapsed s, tokens/s, TTFT ms, TPOT ms).
-
-    ``median_tokens_per_s`` is the median of the per-run rates (not total tokens / median time).
-
-    Raises:
-        ValueError: on no samples.
-    """
-    if not samples:
-        raise ValueError("no samples to summarize: at least one measured run is needed")
-    return {
-        "median_elapsed_s": median_of([s["elapsed_s"] for s in samples]),
-        "median_tokens_per_s": median_of([s["tokens_per_s"] for s in samples]),
-        "median_time_to_first_token_ms": median_of([s.get("time_to_first_token_ms") for s in samples]),
-        "median_time_per_output_token_ms": median_of([s.get("time_per_output_token_ms") for s in samples]),
-    }
-
-
-def _ms(seconds: Optional[float]) -> Optional[float]:
-    return None if seconds is None else seconds * 1e3
 
 
 # --------------------------------------------------------------------------------------------
@@ -660,12 +600,12 @@ def compare(runner: _Runner) -> Dict[str, Any]:
         "plain_elapsed_s": plain_s,
         "instrumented_elapsed_s": instr_s,
         "paired_ratios": ratios,
-        "median_paired_ratio": statistics.median(ratios),
+        "median_paired_ratio": median_of(ratios),
         "steps": steps,
         "added_us_per_step": added,
-        "median_added_us_per_step": statistics.median(added),
-        "median_plain_elapsed_s": statistics.median(plain_s),
-        "median_instrumented_elapsed_s": statistics.median(instr_s),
+        "median_added_us_per_step": median_of(added),
+        "median_plain_elapsed_s": median_of(plain_s),
+        "median_instrumented_elapsed_s": median_of(instr_s),
         "spans_exported": spans_exported,
         "max_step_spans": max_step_spans,
         # per run: the request span + one span per step (at most max_step_spans)
@@ -675,119 +615,18 @@ def compare(runner: _Runner) -> Dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
-# Plot, summary, output
+# The whole run
 # --------------------------------------------------------------------------------------------
 
 
-def plot_latencies(result: Dict[str, Any], path: str) -> None:
-    """Write a PNG of the per-token latency of the measured runs (matplotlib's Agg canvas).
-
-    x: token index in the continuation (of the step's first token), y: step latency in
-    milliseconds; one line per run; the first token (the prefill step) is marked.
-
-    Raises:
-        BenchUsageError: matplotlib is not installed.
-    """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise BenchUsageError("--plot needs matplotlib, which is not installed: pip install matplotlib (the package's [plot] extra)") from None
-
-    figure = Figure(figsize=(8, 4.5), dpi=100)
-    FigureCanvasAgg(figure)
-    axes = figure.add_subplot(1, 1, 1)
-    first_marked = False
-    many = len(result["samples"]) > 8
-    for run, sample in enumerate(result["samples"]):
-        latencies = sample.get("step_latencies_ms") or []
-        tokens = sample.get("step_tokens") or [1] * len(latencies)
-        if not latencies:
-            continue
-        index, xs = 0, []
-        for count in tokens:
-            xs.append(index)
-            index += count
-        label = (f"measured runs ({len(result['samples'])})" if run == 0 else None) if many else f"run {run + 1}"
-        axes.plot(xs, latencies, linewidth=1, alpha=0.8, label=label)
-        axes.plot(
-            [xs[0]], [latencies[0]], linestyle="none", marker="o", color="red", markersize=7,
-            label=None if first_marked else "first token (prefill)",
-        )
-        first_marked = True
-    axes.set_xlabel("token index")
-    axes.set_ylabel("latency (ms)")
-    axes.set_title(
-        f"per-token latency: {result.get('model', '')}\n{result['device']}, {result['dtype']}, "
-        f"{result['threads']} thread(s), batch {result['batch_size']}, prompt {result['prompt_tokens']} tokens",
-        fontsize=9,
-    )
-    axes.set_ylim(bottom=0)
-    axes.grid(True, alpha=0.3)
-    axes.legend(fontsize=8, loc="upper right")
-    figure.tight_layout()
-    figure.savefig(path, format="png")
-
-
-def summary_text(result: Dict[str, Any]) -> str:
-    """The human-readable summary printed on stderr."""
-
-    def num(value: Optional[float], fmt: str) -> str:
-        return "n/a" if value is None else format(value, fmt)
-
-    samples = result["samples"]
-    elapsed = [s["elapsed_s"] for s in samples]
-    rates = [s["tokens_per_s"] for s in samples]
-    tokens = sorted({s["new_tokens"] for s in samples})
-    lines = [
-        f"otel-generate bench: {result['model']}",
-        f"  device {result['device']}, {result['dtype']}, {result['threads']} thread(s), "
-        f"{result['parameters']:,} parameters",
-        f"  prompt {result['prompt_tokens']} tokens x batch {result['batch_size']}, "
-        f"{result['new_tokens_requested']} new tokens requested (EOS {'on' if result['eos_token_id'] else 'off'}), "
-        f"warmup {result['warmup']}, runs {result['runs']}",
-        f"  new tokens per run: {', '.join(map(str, tokens))}",
-        f"  elapsed      median {result['median_elapsed_s'] * 1e3:.3f} ms "
-        f"(min {min(elapsed) * 1e3:.3f}, max {max(elapsed) * 1e3:.3f})",
-        f"  tokens/s     median {result['median_tokens_per_s']:.1f} (min {min(rates):.1f}, max {max(rates):.1f})",
-        f"  time to first token    median {num(result['median_time_to_first_token_ms'], '.3f')} ms",
-        f"  time per output token  median {num(result['median_time_per_output_token_ms'], '.3f')} ms",
-    ]
-    cmp = result.get("compare")
-    if cmp:
-        lines += [
-            f"  compare ({cmp['pairs']} pairs, A B A B): median paired ratio instrumented/plain "
-            f"{cmp['median_paired_ratio']:.4f}, added {cmp['median_added_us_per_step']:.1f} us per step (median)",
-            f"    plain median {cmp['median_plain_elapsed_s'] * 1e3:.3f} ms, instrumented median "
-            f"{cmp['median_instrumented_elapsed_s'] * 1e3:.3f} ms; spans exported {cmp['spans_exported']} "
-            f"(expected {cmp['spans_expected']}); outputs identical: {cmp['outputs_identical']}",
-        ]
-    return "\n".join(lines)
-
-
-def _write_atomically(path: str, write: Callable[[str], None]) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    suffix = os.path.splitext(path)[1]
-    fd, tmp = tempfile.mkstemp(prefix=".otel-generate-", suffix=suffix, dir=directory)
-    os.close(fd)
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+def _ms(seconds: Optional[float]) -> Optional[float]:
+    return None if seconds is None else seconds * 1e3
 
 
 def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> Dict[str, Any]:
     """Validate, build, warm up, measure (and compare); return the result document.
 
-    Nothing is written here (see :func:`main_bench`). ``torch``'s CPU thread count is set to
+    Nothing is written here (see :func:`otel_generate.bench.cli.main_bench`). ``torch``'s CPU thread count is set to
     ``config.threads`` for the run and restored afterwards.
 
     Raises:
@@ -836,88 +675,3 @@ def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> 
         return result
     finally:
         torch.set_num_threads(previous_threads)
-
-
-def main_bench(config: BenchConfig, stdout: Any = None, stderr: Any = None) -> int:
-    """Run, then write ``--plot`` and ``--output`` (each atomically) and the summary on stderr.
-
-    Returns 0. Raises :class:`BenchUsageError` on invalid input, before anything is written.
-    """
-    stdout = stdout if stdout is not None else sys.stdout
-    stderr = stderr if stderr is not None else sys.stderr
-    result = run(config)
-    text = json.dumps(result, indent=2)
-    if config.plot is not None:
-        _write_atomically(config.plot, lambda tmp: plot_latencies(result, tmp))
-    if config.output == "-":
-        stdout.write(text + "\n")
-        stdout.flush()
-    elif config.output is not None:
-        def write_json(tmp: str) -> None:
-            with open(tmp, "w", encoding="utf-8") as handle:
-                handle.write(text + "\n")
-
-        _write_atomically(config.output, write_json)
-    print(summary_text(result), file=stderr)
-    if config.plot is not None:
-        print(f"  plot written to {config.plot}", file=stderr)
-    if config.output not in (None, "-"):
-        print(f"  JSON written to {config.output}", file=stderr)
-    return 0
-
-
-# --------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``bench`` subcommand's options."""
-    parser.add_argument("--device", choices=DEVICES, default="cpu",
-                        help="where to run: cpu, cuda, or auto (cuda if available, else cpu); default cpu")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", metavar="PATH",
-                        help="local checkpoint directory (from_pretrained, local files only); "
-                             "default: a small random-weight GPT-2-architecture model built locally")
-    source.add_argument("--model-config", metavar="PATH",
-                        help="random-weight model of this transformers config.json (a file or a directory "
-                             "holding one), initialised on the device; nothing is downloaded")
-    parser.add_argument("--prompt-tokens", type=int, default=4, metavar="N", help="prompt length in tokens (default 4)")
-    parser.add_argument("--new-tokens", type=int, default=8, metavar="N", help="max_new_tokens (default 8)")
-    parser.add_argument("--batch-size", type=int, default=1, metavar="N", help="prompts per generate() call (default 1)")
-    parser.add_argument("--warmup", type=int, default=2, metavar="N", help="unmeasured runs first (default 2)")
-    parser.add_argument("--runs", type=int, default=5, metavar="N",
-                        help="measured runs (default 5); with --compare also the number of A/B pairs")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype (default float32)")
-    parser.add_argument("--threads", type=int, default=1, metavar="N",
-                        help="torch CPU threads, torch.set_num_threads (default 1)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and the prompt (default 0)")
-    parser.add_argument("--eos", nargs="?", const=MODEL_EOS, default=None, metavar="TOKEN_ID",
-                        help="let EOS stop generation: the model's EOS id, or TOKEN_ID if given "
-                             "(default: EOS disabled, every run generates --new-tokens tokens)")
-    parser.add_argument("--output", metavar="PATH", help="write the JSON result here ('-' for stdout)")
-    parser.add_argument("--plot", metavar="PATH.png",
-                        help="write a PNG of per-token latency of the measured runs (needs matplotlib)")
-    parser.add_argument("--compare", action="store_true",
-                        help="also time plain vs instrumented generate(), interleaved A B A B, --runs pairs")
-
-
-def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> BenchConfig:
-    return BenchConfig(
-        device=args.device,
-        model=args.model,
-        model_config=args.model_config,
-        prompt_tokens=args.prompt_tokens,
-        new_tokens=args.new_tokens,
-        batch_size=args.batch_size,
-        warmup=args.warmup,
-        runs=args.runs,
-        dtype=args.dtype,
-        threads=args.threads,
-        seed=args.seed,
-        eos=args.eos,
-        output=args.output,
-        plot=args.plot,
-        compare=args.compare,
-        argv=list(argv),
-    )
