@@ -15,10 +15,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 
 from otel_generate import GenerateInstrumentor, clock
+from otel_generate import attributes as A
 from otel_generate.bench import harness, stats
 from otel_generate.bench.cli import main
 from otel_generate.bench.models import PAD_TOKEN_ID, build_model
@@ -68,6 +70,14 @@ def check_schema(doc):
             problems.append(f"missing {key}")
         elif isinstance(doc[key], bool) or not isinstance(doc[key], kind):
             problems.append(f"{key} is {type(doc[key]).__name__}")
+    # every median has its interquartile range: [25th, 75th percentile] (None only with the median)
+    assert {"iqr_" + k[len("median_"):] for k in types if k.startswith("median_")} == set(harness.IQR_KEYS)
+    for key in harness.IQR_KEYS:
+        value, median = doc.get(key, "missing"), doc.get("median_" + key[len("iqr_"):])
+        if value is None and median is None:
+            continue
+        if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, NUMBER) for v in value)):
+            problems.append(f"{key} is not [q1, q3]")
     versions = doc.get("versions") if isinstance(doc.get("versions"), dict) else {}
     for key in harness.VERSION_KEYS:
         if not isinstance(versions.get(key), str):
@@ -105,6 +115,50 @@ def test_json_has_every_key_of_the_issue_with_its_type(tmp_path, capsys):
     assert (doc["prompt_tokens"], doc["new_tokens_requested"], doc["batch_size"]) == (4, 3, 1)
     err = capsys.readouterr().err
     assert "tokens/s" in err and "time to first token" in err  # the human-readable summary is on stderr
+
+
+def test_every_median_has_its_interquartile_range_in_the_json_and_the_summary(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert run_cli("--runs", "5", "--warmup", "0", "--new-tokens", "3", "--compare", "--output", str(path)) == 0
+    doc = json.loads(path.read_text())
+    samples = doc["samples"]
+    for name in ("elapsed_s", "tokens_per_s", "time_to_first_token_ms", "time_per_output_token_ms"):
+        values = [s[name] for s in samples]
+        assert doc[f"median_{name}"] == statistics.median(values)
+        assert doc[f"iqr_{name}"] == pytest.approx(_quartiles(values), rel=1e-12)
+    cmp = doc["compare"]
+    for name, values in (
+        ("paired_ratio", cmp["paired_ratios"]),
+        ("added_us_per_step", cmp["added_us_per_step"]),
+        ("plain_elapsed_s", cmp["plain_elapsed_s"]),
+        ("instrumented_elapsed_s", cmp["instrumented_elapsed_s"]),
+        ("plain_tokens_per_s", cmp["plain_tokens_per_s"]),
+    ):
+        assert len(values) == 5
+        assert cmp[f"median_{name}"] == statistics.median(values)
+        assert cmp[f"iqr_{name}"] == pytest.approx(_quartiles(values), rel=1e-12)
+    # the summary prints the same interquartile ranges next to the medians
+    err = capsys.readouterr().err
+    q1, q3 = doc["iqr_elapsed_s"]
+    assert f"median {doc['median_elapsed_s'] * 1e3:.3f} ms (IQR {q1 * 1e3:.3f} to {q3 * 1e3:.3f} ms)" in err
+    q1, q3 = doc["iqr_tokens_per_s"]
+    assert f"median {doc['median_tokens_per_s']:.1f} (IQR {q1:.1f} to {q3:.1f})" in err
+    q1, q3 = doc["iqr_time_to_first_token_ms"]
+    assert f"{doc['median_time_to_first_token_ms']:.3f} ms (IQR {q1:.3f} to {q3:.3f} ms)" in err
+    q1, q3 = doc["iqr_time_per_output_token_ms"]
+    assert f"{doc['median_time_per_output_token_ms']:.3f} ms (IQR {q1:.3f} to {q3:.3f} ms)" in err
+    q1, q3 = cmp["iqr_paired_ratio"]
+    assert f"{cmp['median_paired_ratio']:.4f} (IQR {q1:.4f} to {q3:.4f})" in err
+    for line in err.splitlines():
+        if " median " in line:
+            assert "IQR" in line, line
+
+
+def test_interquartile_range_of_known_values():
+    assert stats.iqr_of([4.0, 1.0, 3.0, 2.0]) == [1.75, 3.25]  # numpy.percentile([1, 2, 3, 4], [25, 75])
+    assert stats.iqr_of([7.0]) == [7.0, 7.0]
+    assert stats.iqr_of([None, 2.0, None, 4.0]) == [2.5, 3.5]  # missing values are skipped, as for the median
+    assert stats.iqr_of([None]) is None and stats.median_of([None]) is None
 
 
 def test_schema_check_rejects_a_document_missing_a_key():
@@ -262,6 +316,89 @@ def test_plot_without_matplotlib_exits_2(monkeypatch, tmp_path, capsys):
     assert not plot.exists()
 
 
+def test_bench_with_an_unknown_option_prints_the_bench_usage(capsys):
+    assert main(["bench", "--bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: otel-generate bench ")
+    assert "--new-tokens N" in err  # bench's own options, not the top-level COMMAND list
+    assert "otel-generate bench: error: unrecognized arguments: --bogus" in err
+    assert main(["bench", "--runs", "1", "--bogus", "x"]) == 2
+    assert "otel-generate bench: error: unrecognized arguments: --bogus x" in capsys.readouterr().err
+    # the top level still answers for itself
+    assert main(["nonsense"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: otel-generate ") and "invalid choice" in err
+
+
+# --- the load average ---------------------------------------------------------------------------------
+
+
+def _fake_load(monkeypatch, load, cores=2, age=600.0):
+    readings = []
+
+    def getloadavg():
+        readings.append(load)
+        return load
+
+    monkeypatch.setattr(os, "getloadavg", getloadavg)
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(harness, "process_age_s", lambda: age)
+    return readings
+
+
+def test_a_busy_machine_is_warned_about_and_every_reading_is_recorded(monkeypatch, tmp_path, capsys):
+    calls = _fake_load(monkeypatch, (6.0, 5.0, 4.0))
+    out = tmp_path / "out.json"
+    assert run_cli(*FAST, "--output", str(out)) == 0
+    doc = json.loads(out.read_text())
+    load = doc["load"]
+    # before the model, after the warmup, after each of the 2 runs, at the end
+    assert [r["at"] for r in load["readings"]] == ["start", "after warmup", "run 1", "run 2", "end"]
+    assert len(calls) == 5
+    assert all((r["load_1m"], r["load_5m"], r["load_15m"]) == (6.0, 5.0, 4.0) for r in load["readings"])
+    assert (load["cores"], load["own_threads"], load["limit_per_core"]) == (2, 1, 0.5)
+    for r in load["readings"]:  # the bench's own thread, counted in as the 1-minute average takes it up
+        assert r["own_estimate"] == pytest.approx(1 - math.exp(-r["bench_age_s"] / 60))
+        assert r["other_per_core"] == pytest.approx((6.0 - r["own_estimate"]) / 2)
+    assert load["max_other_per_core"] == max(r["other_per_core"] for r in load["readings"]) > 2.4
+    assert load["busy"] is True
+    assert doc["warnings"] == [load["warning"]] and "the machine was busy" in load["warning"]
+    err = capsys.readouterr().err
+    assert err.startswith("WARNING: the machine was busy: 1-minute load average 6.00")
+    assert "on 2 core(s)" in err
+
+
+def test_a_quiet_machine_gets_no_warning(monkeypatch, tmp_path, capsys):
+    _fake_load(monkeypatch, (0.4, 0.3, 0.2))
+    assert run_cli(*FAST, "--output", "-") == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["load"]["busy"] is False and doc["load"]["warning"] is None and doc["warnings"] == []
+    assert "WARNING" not in captured.err
+
+
+def test_the_bench_own_threads_do_not_make_the_machine_busy(monkeypatch, capsys):
+    # 1.9 on 2 cores is 0.95 per core, but the bench's own busy thread accounts for about 1 of it
+    _fake_load(monkeypatch, (1.9, 1.0, 0.5), cores=2, age=600.0)
+    assert run_cli(*FAST, "--output", "-") == 0
+    load = json.loads(capsys.readouterr().out)["load"]
+    assert load["busy"] is False and load["max_other_per_core"] == pytest.approx(0.45, abs=1e-3)
+    # with 2 torch threads of its own, 2.9 on 2 cores is still not busy; 4.0 is
+    _fake_load(monkeypatch, (2.9, 1.0, 0.5), cores=2, age=600.0)
+    assert run_cli(*FAST, "--threads", "2", "--output", "-") == 0
+    assert json.loads(capsys.readouterr().out)["load"]["busy"] is False
+    _fake_load(monkeypatch, (4.0, 1.0, 0.5), cores=2, age=600.0)
+    assert run_cli(*FAST, "--threads", "2", "--output", "-") == 0
+    assert json.loads(capsys.readouterr().out)["load"]["busy"] is True
+
+
+def test_without_getloadavg_there_is_no_verdict(monkeypatch, capsys):
+    monkeypatch.delattr(os, "getloadavg")
+    assert run_cli(*FAST, "--output", "-") == 0
+    load = json.loads(capsys.readouterr().out)["load"]
+    assert load["readings"] == [] and load["busy"] is None and load["warning"] is None
+
+
 # --- CPU never touches CUDA ---------------------------------------------------------------------------
 
 
@@ -351,28 +488,92 @@ def test_prompt_avoids_special_tokens_and_is_seeded():
 # --- plot ----------------------------------------------------------------------------------------------
 
 
-def test_plot_writes_a_matplotlib_png_of_every_run(tmp_path, monkeypatch, capsys):
+def _quartiles(values):
+    """[25th, 75th percentile] by numpy (linear interpolation), independent of the bench's own percentile."""
+    return [float(v) for v in numpy.percentile(numpy.asarray(values, dtype=float), [25, 75])]
+
+
+def test_plot_draws_the_median_and_interquartile_band_per_token_index_with_prefill_marked(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from matplotlib.axes import Axes
 
-    calls = []
-    original = Axes.plot
+    calls = {"plot": [], "fill_between": [], "errorbar": []}
+    for name in calls:
+        original = getattr(Axes, name)
 
-    def spy(self, *args, **kwargs):
-        calls.append((list(args[0]), list(args[1]), kwargs))
-        return original(self, *args, **kwargs)
+        def spy(self, *args, _name=name, _original=original, **kwargs):
+            calls[_name].append((args, kwargs))
+            return _original(self, *args, **kwargs)
 
-    monkeypatch.setattr(Axes, "plot", spy)
+        monkeypatch.setattr(Axes, name, spy)
     plot, out = tmp_path / "latency.png", tmp_path / "out.json"
-    assert run_cli("--new-tokens", "6", "--runs", "2", "--warmup", "0", "--plot", str(plot), "--output", str(out)) == 0
+    assert run_cli("--new-tokens", "6", "--runs", "3", "--warmup", "0", "--plot", str(plot), "--output", str(out)) == 0
     data = plot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert b"Matplotlib" in data  # matplotlib's Software text chunk
     samples = json.loads(out.read_text())["samples"]
-    lines = [c for c in calls if c[2].get("marker") is None]
-    marks = [c for c in calls if c[2].get("marker") == "o"]
-    assert [(x, y) for x, y, _ in lines] == [(list(range(6)), s["step_latencies_ms"]) for s in samples]
-    assert [(x, y) for x, y, _ in marks] == [([0], [s["step_latencies_ms"][0]]) for s in samples]  # first token marked
+    per_index = numpy.array([s["step_latencies_ms"] for s in samples])  # runs x token index
+    assert per_index.shape == (3, 6)
+    # one median line (not one line per run)
+    assert len(calls["plot"]) == 1
+    (xs, ys), _ = calls["plot"][0]
+    assert list(xs) == list(range(6))
+    assert list(ys) == pytest.approx(list(numpy.median(per_index, axis=0)))
+    # the interquartile band
+    assert len(calls["fill_between"]) == 1
+    (xs, low, high), _ = calls["fill_between"][0]
+    assert list(xs) == list(range(6))
+    assert list(low) == pytest.approx([_quartiles(per_index[:, i])[0] for i in range(6)])
+    assert list(high) == pytest.approx([_quartiles(per_index[:, i])[1] for i in range(6)])
+    # the prefill step (token 0) marked with its median and interquartile range
+    assert len(calls["errorbar"]) == 1
+    (x, y), kwargs = calls["errorbar"][0]
+    first = per_index[:, 0]
+    q1, q3 = _quartiles(first)
+    assert list(x) == [0] and list(y) == pytest.approx([numpy.median(first)])
+    median = numpy.median(first)
+    assert [kwargs["yerr"][0][0], kwargs["yerr"][1][0]] == pytest.approx([median - q1, q3 - median])
+    assert "prefill" in kwargs["label"]
+
+
+def test_per_token_index_groups_runs_of_different_lengths():
+    samples = [
+        {"step_latencies_ms": [10.0, 1.0, 2.0], "step_tokens": [1, 1, 1]},
+        {"step_latencies_ms": [12.0, 3.0], "step_tokens": [1, 1]},  # stopped early
+        {"step_latencies_ms": [11.0, 5.0, 4.0], "step_tokens": [1, 1, 1]},
+        {"step_latencies_ms": [], "step_tokens": []},  # a run the instrumentation did not see
+    ]
+    rows = stats.per_token_index(samples)
+    assert [r["token_index"] for r in rows] == [0, 1, 2]
+    assert [r["runs"] for r in rows] == [3, 3, 2]
+    for row, values in zip(rows, ([10.0, 12.0, 11.0], [1.0, 3.0, 5.0], [2.0, 4.0])):
+        assert row["median_ms"] == pytest.approx(float(numpy.median(values)))
+        assert [row["q1_ms"], row["q3_ms"]] == pytest.approx(_quartiles(values))
+    # a step that appended two tokens (assisted decoding) moves the next step's index by two
+    rows = stats.per_token_index([{"step_latencies_ms": [5.0, 1.0, 1.0], "step_tokens": [1, 2, 1]}])
+    assert [r["token_index"] for r in rows] == [0, 1, 3]
+
+
+@pytest.mark.parametrize("extension, magic", [("svg", b"<svg"), ("pdf", b"%PDF-"), ("PNG", b"\x89PNG")])
+def test_plot_is_written_in_the_format_its_extension_names(tmp_path, extension, magic):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / f"latency.{extension}"
+    assert run_cli("--new-tokens", "3", "--runs", "2", "--warmup", "0", "--plot", str(plot)) == 0
+    data = plot.read_bytes()
+    assert magic in data[:400]
+    assert list(tmp_path.iterdir()) == [plot]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("name", ["latency.jpg", "latency.jpeg", "latency", "latency.png.txt"])
+def test_unsupported_plot_extension_exits_2_and_writes_nothing(tmp_path, capsys, monkeypatch, name):
+    ran = []
+    monkeypatch.setattr(harness, "measure", lambda *a, **k: ran.append(1))
+    plot, out = tmp_path / name, tmp_path / "out.json"
+    assert run_cli("--plot", str(plot), "--output", str(out)) == 2
+    err = capsys.readouterr().err
+    assert "otel-generate bench: error:" in err and "unsupported file extension" in err
+    assert ".png, .svg, .pdf" in err
+    assert ran == [] and list(tmp_path.iterdir()) == []  # refused before running, nothing written
 
 
 # --- --compare ----------------------------------------------------------------------------------------
@@ -402,6 +603,20 @@ def test_compare_interleaves_plain_and_instrumented_and_reports_paired_numbers(m
     assert cmp["spans_exported"] == cmp["spans_expected"] == 3 * (1 + 4)
     assert cmp["outputs_identical"] is True
     assert not GenerateInstrumentor().is_instrumented_by_opentelemetry  # left as found
+
+
+def test_headline_and_compare_say_which_runs_they_describe(tmp_path, capsys):
+    out = tmp_path / "out.json"
+    assert run_cli(*FAST, "--compare", "--output", str(out)) == 0
+    doc = json.loads(out.read_text())
+    assert "profiled runs" in doc["measured_runs"] and "per-step hook" in doc["measured_runs"]
+    assert "separate from the measured (profiled) runs" in doc["compare"]["runs"]
+    err = capsys.readouterr().err
+    assert "measured runs (2, profiled: per-step hook on" in err
+    assert "compare: 2 pairs of runs of their own (not the measured runs above)" in err
+    # the plain side's throughput is reported from the plain runs themselves
+    cmp = doc["compare"]
+    assert cmp["plain_tokens_per_s"] == [3 / a for a in cmp["plain_elapsed_s"]]
 
 
 def test_compare_refuses_when_generate_is_already_instrumented(instrumented, tmp_path, capsys):

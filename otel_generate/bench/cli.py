@@ -5,8 +5,8 @@ Subcommands:
 * ``bench``: time ``generate()`` and (``--compare``) what the instrumentation costs; see
   :mod:`otel_generate.bench.harness`.
 
-Exit status: 0 on success, 2 on invalid input (argparse's convention: usage and a message on
-stderr, nothing written).
+Exit status: 0 on success, 2 on invalid input (argparse's convention: the subcommand's usage and
+a message on stderr, nothing written).
 """
 
 from __future__ import annotations
@@ -20,8 +20,18 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from otel_generate.bench import harness
 from otel_generate.bench.harness import DEVICES, DTYPES, MODEL_EOS, BenchConfig, BenchUsageError
+from otel_generate.bench.plot import MATPLOTLIB_MISSING, PLOT_FORMATS, plot_format
 
 PROG = "otel-generate"
+
+BENCH_DESCRIPTION = (
+    "Time complete generate() calls (greedy, cache on, EOS off unless --eos) after warmup, count only real "
+    "continuation tokens, keep every sample; every median comes with its interquartile range (IQR, 25th-75th "
+    "percentile). JSON to --output, summary on stderr. The load average is read before, between and after the "
+    "runs; the bench warns when the load besides its own (its --threads busy threads, counted in as they enter "
+    f"the 1-minute average) was above {harness.LOAD_PER_CORE_LIMIT} per core, and records every reading in the "
+    "JSON under 'load'."
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -48,16 +58,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measured runs (default 5); with --compare also the number of A/B pairs")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype (default float32)")
     parser.add_argument("--threads", type=int, default=1, metavar="N",
-                        help="torch CPU threads, torch.set_num_threads (default 1)")
+                        help="torch CPU threads, torch.set_num_threads (default 1); also the bench's own "
+                             "share of the load average when it judges whether the machine was busy")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and the prompt (default 0)")
     parser.add_argument("--eos", nargs="?", const=MODEL_EOS, default=None, metavar="TOKEN_ID",
                         help="let EOS stop generation: the model's EOS id, or TOKEN_ID if given "
                              "(default: EOS disabled, every run generates --new-tokens tokens)")
     parser.add_argument("--output", metavar="PATH", help="write the JSON result here ('-' for stdout)")
-    parser.add_argument("--plot", metavar="PATH.png",
-                        help="write a PNG of per-token latency of the measured runs (needs matplotlib)")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="write the per-token latency of the measured runs (median and interquartile band "
+                             f"per token index, prefill marked) in the format of the extension: "
+                             f"{', '.join('.' + e for e in PLOT_FORMATS)} (needs matplotlib)")
     parser.add_argument("--compare", action="store_true",
-                        help="also time plain vs instrumented generate(), interleaved A B A B, --runs pairs")
+                        help="also time plain vs instrumented generate(), interleaved A B A B, --runs pairs "
+                             "(runs of their own, apart from the measured runs)")
+    # A continuous-batching workload (--continuous-batching --requests N) would be another harness runner.
 
 
 def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> BenchConfig:
@@ -86,38 +101,61 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> Benc
 # --------------------------------------------------------------------------------------------
 
 
+def _median_iqr(
+    median: Optional[float], iqr: Optional[Sequence[float]], fmt: str, scale: float = 1.0, unit: str = ""
+) -> str:
+    """``"1.234 ms (IQR 1.200 to 1.300 ms)"``; ``"n/a"`` without a value."""
+    if median is None:
+        return "n/a"
+    unit = f" {unit}" if unit else ""
+    text = f"{format(median * scale, fmt)}{unit}"
+    if iqr is not None:
+        text += f" (IQR {format(iqr[0] * scale, fmt)} to {format(iqr[1] * scale, fmt)}{unit})"
+    return text
+
+
 def summary_text(result: Dict[str, Any]) -> str:
-    """The human-readable summary printed on stderr."""
-
-    def num(value: Optional[float], fmt: str) -> str:
-        return "n/a" if value is None else format(value, fmt)
-
+    """The human-readable summary printed on stderr: every median with its interquartile range."""
     samples = result["samples"]
     elapsed = [s["elapsed_s"] for s in samples]
     rates = [s["tokens_per_s"] for s in samples]
     tokens = sorted({s["new_tokens"] for s in samples})
-    lines = [
+    lines = [f"WARNING: {w}" for w in result.get("warnings", [])]
+
+    def r(name: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
+        return _median_iqr(result[f"median_{name}"], result[f"iqr_{name}"], fmt, scale, unit)
+
+    lines += [
         f"otel-generate bench: {result['model']}",
         f"  device {result['device']}, {result['dtype']}, {result['threads']} thread(s), "
         f"{result['parameters']:,} parameters",
         f"  prompt {result['prompt_tokens']} tokens x batch {result['batch_size']}, "
         f"{result['new_tokens_requested']} new tokens requested (EOS {'on' if result['eos_token_id'] else 'off'}), "
         f"warmup {result['warmup']}, runs {result['runs']}",
-        f"  new tokens per run: {', '.join(map(str, tokens))}",
-        f"  elapsed      median {result['median_elapsed_s'] * 1e3:.3f} ms "
+        f"  measured runs ({len(samples)}, profiled: per-step hook on, for TTFT and TPOT); "
+        f"new tokens per run: {', '.join(map(str, tokens))}",
+        f"  elapsed      median {r('elapsed_s', '.3f', 1e3, 'ms')} "
         f"(min {min(elapsed) * 1e3:.3f}, max {max(elapsed) * 1e3:.3f})",
-        f"  tokens/s     median {result['median_tokens_per_s']:.1f} (min {min(rates):.1f}, max {max(rates):.1f})",
-        f"  time to first token    median {num(result['median_time_to_first_token_ms'], '.3f')} ms",
-        f"  time per output token  median {num(result['median_time_per_output_token_ms'], '.3f')} ms",
+        f"  tokens/s     median {r('tokens_per_s', '.1f')} "
+        f"(min {min(rates):.1f}, max {max(rates):.1f})",
+        f"  time to first token    median {r('time_to_first_token_ms', '.3f', unit='ms')}",
+        f"  time per output token  median {r('time_per_output_token_ms', '.3f', unit='ms')}",
     ]
     cmp = result.get("compare")
     if cmp:
+        def m(name: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
+            return _median_iqr(cmp[f"median_{name}"], cmp[f"iqr_{name}"], fmt, scale, unit)
+
         lines += [
-            f"  compare ({cmp['pairs']} pairs, A B A B): median paired ratio instrumented/plain "
-            f"{cmp['median_paired_ratio']:.4f}, added {cmp['median_added_us_per_step']:.1f} us per step (median)",
-            f"    plain median {cmp['median_plain_elapsed_s'] * 1e3:.3f} ms, instrumented median "
-            f"{cmp['median_instrumented_elapsed_s'] * 1e3:.3f} ms; spans exported {cmp['spans_exported']} "
-            f"(expected {cmp['spans_expected']}); outputs identical: {cmp['outputs_identical']}",
+            f"  compare: {cmp['pairs']} pairs of runs of their own (not the measured runs above), "
+            f"plain / instrumented interleaved A B A B",
+            f"    plain         median {m('plain_elapsed_s', '.3f', 1e3, 'ms')}, "
+            f"{m('plain_tokens_per_s', '.1f', unit='tokens/s')}",
+            f"    instrumented  median {m('instrumented_elapsed_s', '.3f', 1e3, 'ms')}",
+            f"    paired ratio instrumented/plain {m('paired_ratio', '.4f')}, "
+            f"added per step {m('added_us_per_step', '.1f', unit='us')}",
+            f"    spans exported {cmp['spans_exported']} (expected {cmp['spans_expected']}); "
+            f"outputs identical: {cmp['outputs_identical']}",
         ]
     return "\n".join(lines)
 
@@ -154,7 +192,11 @@ def main_bench(config: BenchConfig, stdout: Any = None, stderr: Any = None) -> i
     if config.plot is not None:
         from otel_generate.bench.plot import plot_latencies
 
-        _write_atomically(config.plot, lambda tmp: plot_latencies(result, tmp))
+        fmt = plot_format(config.plot)
+        try:
+            _write_atomically(config.plot, lambda tmp: plot_latencies(result, tmp, fmt))
+        except ImportError:
+            raise BenchUsageError(MATPLOTLIB_MISSING) from None
     if config.output == "-":
         stdout.write(text + "\n")
         stdout.flush()
@@ -191,10 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser = commands.add_parser(
         "bench",
         help="time generate() on a device (tokens/s, TTFT, TPOT); --compare: the instrumentation's cost",
-        description=(
-            "Time complete generate() calls (greedy, cache on, EOS off unless --eos) after warmup, "
-            "count only real continuation tokens, keep every sample. JSON to --output, summary on stderr."
-        ),
+        description=BENCH_DESCRIPTION,
     )
     add_arguments(bench_parser)
     bench_parser.set_defaults(handler=_bench, command_parser=bench_parser)
@@ -211,11 +250,17 @@ def _bench(args: argparse.Namespace, argv: List[str]) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run ``otel-generate`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    """Run ``otel-generate`` with ``argv`` (default ``sys.argv[1:]``); return the exit status.
+
+    An argument the subcommand does not know is reported with the subcommand's own usage
+    (``usage: otel-generate bench ...``), not the top-level one.
+    """
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
-        args = parser.parse_args(args_list)
+        args, unknown = parser.parse_known_args(args_list)
+        if unknown:
+            args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         return int(args.handler(args, [PROG] + args_list))
     except SystemExit as exc:  # argparse errors (2), --help / --version (0)
         code = exc.code

@@ -12,13 +12,22 @@
   :func:`otel_generate.tokens.count_new_tokens` (per sequence, minus the prompt, up to and
   including the first EOS, never padding), so a model that stops early reports its real count;
 * time to first token and time per output token come from the instrumentation itself
-  (:class:`otel_generate.TokenLatencyProfiler` around the runs).
+  (:class:`otel_generate.TokenLatencyProfiler` around the measured runs: the per-step hook is
+  on in those runs, so they are *profiled* runs, not plain ones);
+* every median comes with its interquartile range (:mod:`otel_generate.bench.stats`);
+* the machine's load average is read before, between and after the runs, and a busy machine
+  is reported (:class:`LoadMonitor`).
 
-``--compare`` measures the instrumentation's cost: plain ``generate()`` (the original
-``GenerationMixin.generate``, uninstrumented) and instrumented ``generate()`` (SDK
-``TracerProvider`` with a ``BatchSpanProcessor`` and an exporter that discards, SDK
+``--compare`` measures the instrumentation's cost in runs of its own: plain ``generate()``
+(the original ``GenerationMixin.generate``, uninstrumented) and instrumented ``generate()``
+(SDK ``TracerProvider`` with a ``BatchSpanProcessor`` and an exporter that discards, SDK
 ``MeterProvider``) run interleaved A B A B on the same inputs; it reports the median of the
-paired ratios instrumented/plain and the median added microseconds per decode step.
+paired ratios instrumented/plain and the median added microseconds per decode step, each with
+its interquartile range.
+
+A workload is a :class:`_Runner`: a model, its inputs and the one call each run times. Another
+workload (e.g. continuous batching, ``--continuous-batching --requests N``) would be another
+runner with the same ``timed()``/``counts()`` surface.
 
 Units: ``*_s`` keys are seconds, ``*_ms`` milliseconds, ``*_us`` microseconds.
 
@@ -31,13 +40,15 @@ from __future__ import annotations
 import datetime as _dt
 import gc
 import json
+import math
 import os
 import platform
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from otel_generate.bench.stats import make_sample, median_of, summarize
+from otel_generate.bench.plot import MATPLOTLIB_MISSING, PLOT_FORMATS, plot_format
+from otel_generate.bench.stats import iqr_of, make_sample, median_of, summarize
 from otel_generate.clock import synchronizer_for, timed_call
 from otel_generate.tokens import count_new_tokens
 
@@ -45,6 +56,8 @@ DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("float32", "float16", "bfloat16")
 #: ``--eos`` given without a value: use the model's own EOS id.
 MODEL_EOS = "model"
+#: A load average above this many runnable tasks per core (besides the bench's own) is "busy".
+LOAD_PER_CORE_LIMIT = 0.5
 
 #: Keys every bench JSON document has (``samples`` entries have at least :data:`SAMPLE_KEYS`).
 RESULT_KEYS = (
@@ -64,8 +77,20 @@ RESULT_KEYS = (
     "median_time_to_first_token_ms",
     "median_time_per_output_token_ms",
 )
+#: The interquartile range of each median in :data:`RESULT_KEYS`: ``[25th, 75th percentile]``, same unit.
+IQR_KEYS = (
+    "iqr_elapsed_s",
+    "iqr_tokens_per_s",
+    "iqr_time_to_first_token_ms",
+    "iqr_time_per_output_token_ms",
+)
 SAMPLE_KEYS = ("elapsed_s", "new_tokens", "tokens_per_s")
 VERSION_KEYS = ("python", "torch", "transformers", "otel_generate")
+
+MEASURED_RUNS = (
+    "profiled runs: generate() inside a TokenLatencyProfiler, so the instrumentation's per-step hook "
+    "(and its device synchronization) is on; spans only if a global SDK tracer provider is set"
+)
 
 
 class BenchUsageError(ValueError):
@@ -143,12 +168,15 @@ class BenchConfig:
             if os.path.isdir(path):
                 raise BenchUsageError(f"{option} {path!r} is a directory")
         if self.plot is not None:
+            if plot_format(self.plot) is None:
+                raise BenchUsageError(
+                    f"--plot {self.plot!r}: unsupported file extension; use one of "
+                    f".{', .'.join(PLOT_FORMATS)} (the file is written in the format its extension names)"
+                )
             try:
                 import matplotlib  # noqa: F401
             except ImportError:
-                raise BenchUsageError(
-                    "--plot needs matplotlib, which is not installed: pip install matplotlib (the package's [plot] extra)"
-                ) from None
+                raise BenchUsageError(MATPLOTLIB_MISSING) from None
 
 
 def resolve_device(requested: str) -> str:
@@ -412,6 +440,92 @@ def machine(device: str) -> Dict[str, Any]:
     return info
 
 
+def process_age_s() -> Optional[float]:
+    """Seconds since this process started (``/proc/self/stat`` and ``/proc/uptime``); ``None`` where unknown."""
+    try:
+        with open("/proc/self/stat", encoding="utf-8") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime", encoding="utf-8") as handle:
+            uptime = float(handle.read().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))  # field 22: starttime, in ticks
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class LoadMonitor:
+    """Readings of the machine's load average during a bench, and whether it was busy.
+
+    Each :meth:`read` takes ``os.getloadavg()`` (the 1-, 5- and 15-minute averages of runnable
+    and uninterruptible tasks, machine-wide). The bench reads it before the model is built,
+    after the warmup, after every measured run and every ``--compare`` pair (outside the
+    timers), and at the end.
+
+    The bench's own threads count too: while it runs, it keeps up to ``own_threads`` threads
+    runnable (``--threads``, the torch threads; the span processor's thread works while the
+    calling thread waits for it). The 1-minute average approaches a constant load ``n`` as
+    ``n (1 - exp(-t / 60 s))`` after ``t`` seconds, so each reading subtracts that estimate,
+    with ``t`` the age of this process (the bench counts as busy from its start; from the first
+    reading where ``/proc`` is missing). The machine was **busy** when, at any reading, the load
+    left, divided by the number of cores (``os.cpu_count()``), was above
+    :data:`LOAD_PER_CORE_LIMIT` (0.5). The 1-minute average lags: a neighbour that starts
+    seconds before the end shows up only in part. Where ``os.getloadavg`` does not exist, there
+    are no readings and no verdict.
+    """
+
+    def __init__(self, own_threads: int, cores: Optional[int] = None, clock: Callable[[], float] = time.monotonic):
+        self.own_threads = int(own_threads)
+        self.cores = int(cores or os.cpu_count() or 1)
+        self.clock = clock
+        age = process_age_s()
+        self.age_from = "process start" if age is not None else "first reading"
+        self._origin = clock() - (age or 0.0)
+        self.readings: List[Dict[str, Any]] = []
+
+    def read(self, at: str) -> None:
+        """Take one reading, labelled ``at`` (e.g. ``"start"``, ``"run 3"``, ``"pair 7"``, ``"end"``)."""
+        try:
+            one, five, fifteen = os.getloadavg()
+        except (AttributeError, OSError):
+            return
+        busy_s = self.clock() - self._origin
+        own = self.own_threads * (1.0 - math.exp(-busy_s / 60.0))
+        self.readings.append(
+            {
+                "at": at,
+                "bench_age_s": busy_s,
+                "load_1m": one,
+                "load_5m": five,
+                "load_15m": fifteen,
+                "own_estimate": own,
+                "other_per_core": max(0.0, one - own) / self.cores,
+            }
+        )
+
+    def report(self) -> Dict[str, Any]:
+        """The ``load`` section of the JSON: every reading, the worst one and the verdict."""
+        worst = max(self.readings, key=lambda r: r["other_per_core"], default=None)
+        busy = None if worst is None else worst["other_per_core"] > LOAD_PER_CORE_LIMIT
+        warning = None
+        if busy:
+            warning = (
+                f"the machine was busy: 1-minute load average {worst['load_1m']:.2f} at {worst['at']} on "
+                f"{self.cores} core(s) is {worst['other_per_core']:.2f} per core besides this bench's own "
+                f"(estimated {worst['own_estimate']:.2f}), above {LOAD_PER_CORE_LIMIT} per core; "
+                f"the timings are likely noisy, rerun on a quiet machine"
+            )
+        return {
+            "source": "os.getloadavg() (1-, 5-, 15-minute averages), read outside the timers",
+            "cores": self.cores,
+            "limit_per_core": LOAD_PER_CORE_LIMIT,
+            "own_threads": self.own_threads,
+            "own_estimate_formula": f"own_threads * (1 - exp(-t / 60 s)), t = seconds since {self.age_from}",
+            "readings": list(self.readings),
+            "max_other_per_core": None if worst is None else worst["other_per_core"],
+            "busy": busy,
+            "warning": warning,
+        }
+
+
 # --------------------------------------------------------------------------------------------
 # The runs
 # --------------------------------------------------------------------------------------------
@@ -436,7 +550,7 @@ class _Runner:
     def generate(self) -> Any:
         return self.model.generate(**self.inputs, **self.kwargs)
 
-    def timed(self) -> "tuple[Any, float]":
+    def timed(self) -> Tuple[Any, float]:
         """One complete ``generate()`` between two synchronized clock reads: ``(output, seconds)``."""
         return timed_call(self.generate, self.synchronize, clock=self.clock)
 
@@ -445,12 +559,25 @@ class _Runner:
         return count_new_tokens(_sequences(output), self.width, self.eos, self.pad)
 
 
-def measure(runner: _Runner) -> List[Dict[str, Any]]:
+def _flush_global_tracer_provider() -> None:
+    """Finish the span export a global SDK tracer provider deferred (e.g. under ``opentelemetry-instrument``)."""
+    from opentelemetry import trace
+
+    flush = getattr(trace.get_tracer_provider(), "force_flush", None)
+    if callable(flush):
+        flush()
+
+
+def measure(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> List[Dict[str, Any]]:
     """Warmup, then ``runs`` measured runs under a :class:`~otel_generate.TokenLatencyProfiler`.
 
-    Returns one sample per measured run: :func:`make_sample` plus the instrumentation's
-    ``time_to_first_token_ms``, ``time_per_output_token_ms``, ``step_latencies_ms`` and
-    ``step_tokens`` (milliseconds; tokens per sequence each step appended).
+    These are *profiled* runs (:data:`MEASURED_RUNS`), the ones the headline medians describe.
+    After each run, outside the timer, a global SDK tracer provider (if one is set) is flushed
+    so that no span export lands in the next run's timer, and ``monitor`` reads the load.
+
+    Returns one sample per measured run: :func:`~otel_generate.bench.stats.make_sample` plus the
+    instrumentation's ``time_to_first_token_ms``, ``time_per_output_token_ms``,
+    ``step_latencies_ms`` and ``step_tokens`` (milliseconds; tokens per sequence each step appended).
     """
     from otel_generate import TokenLatencyProfiler
 
@@ -459,10 +586,14 @@ def measure(runner: _Runner) -> List[Dict[str, Any]]:
     with TokenLatencyProfiler() as profiler:
         for _ in range(config.warmup):
             runner.generate()
-        for _ in range(config.runs):
+        _flush_global_tracer_provider()
+        if monitor is not None:
+            monitor.read("after warmup")
+        for run in range(config.runs):
             before = len(profiler.records)
             gc.collect()
             output, elapsed = runner.timed()
+            _flush_global_tracer_provider()
             sample = make_sample(elapsed, runner.counts(output))
             new_records = profiler.records[before:]
             record = new_records[-1] if new_records else None
@@ -477,7 +608,18 @@ def measure(runner: _Runner) -> List[Dict[str, Any]]:
                 sample["step_latencies_ms"] = []
                 sample["step_tokens"] = []
             samples.append(sample)
+            if monitor is not None:
+                monitor.read(f"run {run + 1}")
     return samples
+
+
+def _ms(seconds: Optional[float]) -> Optional[float]:
+    return None if seconds is None else seconds * 1e3
+
+
+# --------------------------------------------------------------------------------------------
+# --compare: paired ratios
+# --------------------------------------------------------------------------------------------
 
 
 def _discarding_exporter() -> Any:
@@ -512,20 +654,27 @@ def _check_uninstrumented() -> None:
         )
 
 
-def compare(runner: _Runner) -> Dict[str, Any]:
+def _with_iqr(result: Dict[str, Any], name: str, values: Sequence[float]) -> None:
+    result[f"median_{name}"] = median_of(values)
+    result[f"iqr_{name}"] = iqr_of(values)
+
+
+def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str, Any]:
     """Plain vs instrumented ``generate()``, interleaved A B A B; ``runs`` pairs after ``warmup`` pairs.
 
-    Plain is the original ``GenerationMixin.generate`` (the instrumentor is uninstrumented, so
-    no wrapper runs at all); instrumented is ``GenerateInstrumentor().instrument()`` with an SDK
+    These runs are separate from the measured (profiled) runs of the headline. Plain is the
+    original ``GenerationMixin.generate`` (the instrumentor is uninstrumented, so no wrapper
+    runs at all); instrumented is ``GenerateInstrumentor().instrument()`` with an SDK
     ``TracerProvider`` + ``BatchSpanProcessor`` + a discarding exporter and an SDK
     ``MeterProvider`` (in-memory reader). Instrumenting and uninstrumenting happen outside the
     timer; ``gc.collect()`` runs before every timed call on both sides.
 
     Returns:
-        ``pairs``, ``plain_elapsed_s`` and ``instrumented_elapsed_s`` (lists, seconds),
-        ``paired_ratios`` (instrumented/plain per pair), ``median_paired_ratio``, ``steps``
-        (decode steps per run), ``added_us_per_step`` (per pair: (instrumented - plain) / steps,
-        microseconds), ``median_added_us_per_step``, ``spans_exported`` / ``spans_expected``,
+        per pair (lists): ``plain_elapsed_s``, ``instrumented_elapsed_s`` (seconds),
+        ``paired_ratios`` (instrumented / plain), ``steps`` (decode steps per run),
+        ``added_us_per_step`` ((instrumented - plain) / steps, microseconds),
+        ``plain_tokens_per_s``; for each of those a ``median_X`` and an ``iqr_X``
+        (``[25th, 75th percentile]``); ``spans_exported`` / ``spans_expected``,
         ``outputs_identical`` and descriptions of both paths.
 
     Raises:
@@ -538,7 +687,7 @@ def compare(runner: _Runner) -> Dict[str, Any]:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from otel_generate import GenerateInstrumentor
+    from otel_generate import DEFAULT_MAX_STEP_SPANS, ENV_MAX_STEP_SPANS, GenerateInstrumentor, _env_int
 
     _check_uninstrumented()
     instrumentor = GenerateInstrumentor()
@@ -547,11 +696,11 @@ def compare(runner: _Runner) -> Dict[str, Any]:
     tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
     meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
 
-    def plain() -> "tuple[Any, float]":
+    def plain() -> Tuple[Any, float]:
         gc.collect()
         return runner.timed()
 
-    def instrumented() -> "tuple[Any, float]":
+    def instrumented() -> Tuple[Any, float]:
         instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider, skip_dep_check=True)
         try:
             gc.collect()
@@ -569,29 +718,33 @@ def compare(runner: _Runner) -> Dict[str, Any]:
         plain_s: List[float] = []
         instr_s: List[float] = []
         steps: List[int] = []
+        plain_rates: List[float] = []
         identical = True
-        for _ in range(config.runs):
+        for pair in range(config.runs):
             out_a, elapsed_a = plain()
             out_b, elapsed_b = instrumented()
             plain_s.append(elapsed_a)
             instr_s.append(elapsed_b)
             seq_a, seq_b = _sequences(out_a), _sequences(out_b)
             identical = identical and seq_a.shape == seq_b.shape and bool(torch.equal(seq_a, seq_b))
+            counts_a = runner.counts(out_a)
             # decode steps = loop iterations = the longest sequence's new tokens (greedy: 1 token/step)
-            steps.append(max(runner.counts(out_a)))
+            steps.append(max(counts_a))
+            plain_rates.append(sum(counts_a) / elapsed_a)
+            if monitor is not None:
+                monitor.read(f"pair {pair + 1}")
         tracer_provider.force_flush()
         spans_exported = exporter.spans - spans_before
     finally:
         tracer_provider.shutdown()
         meter_provider.shutdown()
-    from otel_generate import DEFAULT_MAX_STEP_SPANS, ENV_MAX_STEP_SPANS, _env_int
-
     max_step_spans = _env_int(ENV_MAX_STEP_SPANS, DEFAULT_MAX_STEP_SPANS)  # what instrument() used
     ratios = [b / a for a, b in zip(plain_s, instr_s)]
     added = [(b - a) / n * 1e6 for a, b, n in zip(plain_s, instr_s, steps)]
-    return {
+    result: Dict[str, Any] = {
         "pairs": config.runs,
         "order": "A B A B (plain, then instrumented, per pair)",
+        "runs": "runs of their own, separate from the measured (profiled) runs of the headline",
         "plain": "GenerationMixin.generate uninstrumented (the original function; no wrapper runs)",
         "instrumented": (
             "GenerateInstrumentor().instrument(tracer_provider=SDK TracerProvider + BatchSpanProcessor + "
@@ -600,18 +753,25 @@ def compare(runner: _Runner) -> Dict[str, Any]:
         "plain_elapsed_s": plain_s,
         "instrumented_elapsed_s": instr_s,
         "paired_ratios": ratios,
-        "median_paired_ratio": median_of(ratios),
         "steps": steps,
         "added_us_per_step": added,
-        "median_added_us_per_step": median_of(added),
-        "median_plain_elapsed_s": median_of(plain_s),
-        "median_instrumented_elapsed_s": median_of(instr_s),
-        "spans_exported": spans_exported,
-        "max_step_spans": max_step_spans,
-        # per run: the request span + one span per step (at most max_step_spans)
-        "spans_expected": sum(1 + min(n, max_step_spans) for n in steps),
-        "outputs_identical": identical,
+        "plain_tokens_per_s": plain_rates,
     }
+    _with_iqr(result, "paired_ratio", ratios)
+    _with_iqr(result, "added_us_per_step", added)
+    _with_iqr(result, "plain_elapsed_s", plain_s)
+    _with_iqr(result, "instrumented_elapsed_s", instr_s)
+    _with_iqr(result, "plain_tokens_per_s", plain_rates)
+    result.update(
+        {
+            "spans_exported": spans_exported,
+            "max_step_spans": max_step_spans,
+            # per run: the request span + one span per step (at most max_step_spans)
+            "spans_expected": sum(1 + min(n, max_step_spans) for n in steps),
+            "outputs_identical": identical,
+        }
+    )
+    return result
 
 
 # --------------------------------------------------------------------------------------------
@@ -619,15 +779,13 @@ def compare(runner: _Runner) -> Dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def _ms(seconds: Optional[float]) -> Optional[float]:
-    return None if seconds is None else seconds * 1e3
-
-
 def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> Dict[str, Any]:
     """Validate, build, warm up, measure (and compare); return the result document.
 
-    Nothing is written here (see :func:`otel_generate.bench.cli.main_bench`). ``torch``'s CPU thread count is set to
-    ``config.threads`` for the run and restored afterwards.
+    Nothing is written here (see :func:`otel_generate.bench.cli.main_bench`). ``torch``'s CPU
+    thread count is set to ``config.threads`` for the run and restored afterwards. The load
+    average is read throughout (:class:`LoadMonitor`); ``warnings`` lists what makes the numbers
+    less trustworthy (a busy machine).
 
     Raises:
         BenchUsageError: invalid input (see :meth:`BenchConfig.validate`, :func:`resolve_device`,
@@ -635,6 +793,8 @@ def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> 
         ValueError: a timed call whose clock did not advance.
     """
     config.validate()
+    monitor = LoadMonitor(own_threads=config.threads)
+    monitor.read("start")
     device = resolve_device(config.device)
     if config.compare:
         _check_uninstrumented()
@@ -644,7 +804,7 @@ def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> 
     torch.set_num_threads(config.threads)
     try:
         runner = _Runner(config, device, clock=clock)
-        samples = measure(runner)
+        samples = measure(runner, monitor)
         result: Dict[str, Any] = {
             "versions": versions(),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -667,11 +827,15 @@ def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> 
             "synchronize": f"{device} synchronize before each clock read" if runner.synchronize is not None
             else "none needed (cpu: eager work has finished when ops return)",
             "timer": "time.perf_counter around one complete generate(), synchronized before and after",
+            "measured_runs": MEASURED_RUNS,
             "samples": samples,
         }
         result.update(summarize(samples))
         if config.compare:
-            result["compare"] = compare(runner)
+            result["compare"] = compare(runner, monitor)
+        monitor.read("end")
+        result["load"] = monitor.report()
+        result["warnings"] = [result["load"]["warning"]] if result["load"]["warning"] else []
         return result
     finally:
         torch.set_num_threads(previous_threads)

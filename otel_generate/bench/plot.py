@@ -1,50 +1,73 @@
-"""``--plot``: the per-token latency of the measured runs."""
+"""``--plot``: the per-token latency of the measured runs as one median curve and its interquartile band.
+
+The file format follows the path's extension: ``.png``, ``.svg`` or ``.pdf`` (matplotlib's Agg,
+SVG and PDF backends). Any other extension is refused before anything runs, so a ``.jpg`` never
+receives PNG bytes.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Dict
+import os
+from typing import Any, Dict, Optional
 
-from otel_generate.bench.harness import BenchUsageError
+from otel_generate.bench.stats import per_token_index
+
+#: Extension (lower case, without the dot) -> the ``format`` handed to ``Figure.savefig``.
+PLOT_FORMATS = {"png": "png", "svg": "svg", "pdf": "pdf"}
+
+MATPLOTLIB_MISSING = (
+    "--plot needs matplotlib, which is not installed: pip install matplotlib (the package's [plot] extra)"
+)
 
 
-def plot_latencies(result: Dict[str, Any], path: str) -> None:
-    """Write a PNG of the per-token latency of the measured runs (matplotlib's Agg canvas).
+def plot_format(path: str) -> Optional[str]:
+    """The format to write ``path`` in, from its extension (case-insensitive); ``None`` if unsupported."""
+    extension = os.path.splitext(path)[1].lower().lstrip(".")
+    return PLOT_FORMATS.get(extension)
 
-    x: token index in the continuation (of the step's first token), y: step latency in
-    milliseconds; one line per run; the first token (the prefill step) is marked.
+
+def plot_latencies(result: Dict[str, Any], path: str, fmt: Optional[str] = None) -> None:
+    """Write the per-token latency plot of ``result["samples"]`` to ``path``.
+
+    x: token index in the continuation (of each step's first token); y: step latency in
+    milliseconds. Drawn: the median over the measured runs at each token index (a line), the
+    25th-75th percentile band around it (shaded), and the first token, the prefill step (prompt
+    processing plus the first token), marked with its median and interquartile range as a red
+    point with an error bar. The data are :func:`otel_generate.bench.stats.per_token_index`.
+
+    Args:
+        fmt: ``png``, ``svg`` or ``pdf``; default: from ``path``'s extension (a temporary file
+            written before an atomic rename passes the format of the final path).
 
     Raises:
-        BenchUsageError: matplotlib is not installed.
+        ValueError: no supported format (see :data:`PLOT_FORMATS`).
+        ImportError: matplotlib is not installed.
     """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise BenchUsageError("--plot needs matplotlib, which is not installed: pip install matplotlib (the package's [plot] extra)") from None
+    fmt = fmt or plot_format(path)
+    if fmt not in PLOT_FORMATS.values():
+        raise ValueError(f"unsupported plot format for {path!r}; use one of .{', .'.join(PLOT_FORMATS)}")
+    from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(8, 4.5), dpi=100)
-    FigureCanvasAgg(figure)
+    rows = per_token_index(result["samples"])
+    figure = Figure(figsize=(8, 4.5), dpi=100)  # a Figure without pyplot: no GUI backend, no global state
     axes = figure.add_subplot(1, 1, 1)
-    first_marked = False
-    many = len(result["samples"]) > 8
-    for run, sample in enumerate(result["samples"]):
-        latencies = sample.get("step_latencies_ms") or []
-        tokens = sample.get("step_tokens") or [1] * len(latencies)
-        if not latencies:
-            continue
-        index, xs = 0, []
-        for count in tokens:
-            xs.append(index)
-            index += count
-        label = (f"measured runs ({len(result['samples'])})" if run == 0 else None) if many else f"run {run + 1}"
-        axes.plot(xs, latencies, linewidth=1, alpha=0.8, label=label)
-        axes.plot(
-            [xs[0]], [latencies[0]], linestyle="none", marker="o", color="red", markersize=7,
-            label=None if first_marked else "first token (prefill)",
+    runs = len(result["samples"])
+    if rows:
+        xs = [r["token_index"] for r in rows]
+        axes.fill_between(
+            xs, [r["q1_ms"] for r in rows], [r["q3_ms"] for r in rows],
+            alpha=0.3, linewidth=0, label="interquartile range (25th-75th percentile)",
         )
-        first_marked = True
+        axes.plot(xs, [r["median_ms"] for r in rows], linewidth=1.5, label=f"median of {runs} measured run(s)")
+        first = rows[0]
+        axes.errorbar(
+            [first["token_index"]], [first["median_ms"]],
+            yerr=[[first["median_ms"] - first["q1_ms"]], [first["q3_ms"] - first["median_ms"]]],
+            linestyle="none", marker="o", color="red", markersize=7, capsize=3,
+            label="first token: prefill (median, IQR)",
+        )
     axes.set_xlabel("token index")
-    axes.set_ylabel("latency (ms)")
+    axes.set_ylabel("step latency (ms)")
     axes.set_title(
         f"per-token latency: {result.get('model', '')}\n{result['device']}, {result['dtype']}, "
         f"{result['threads']} thread(s), batch {result['batch_size']}, prompt {result['prompt_tokens']} tokens",
@@ -52,6 +75,7 @@ def plot_latencies(result: Dict[str, Any], path: str) -> None:
     )
     axes.set_ylim(bottom=0)
     axes.grid(True, alpha=0.3)
-    axes.legend(fontsize=8, loc="upper right")
+    if rows:
+        axes.legend(fontsize=8, loc="upper right")
     figure.tight_layout()
-    figure.savefig(path, format="png")
+    figure.savefig(path, format=fmt)
