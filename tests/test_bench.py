@@ -129,9 +129,12 @@ def test_every_median_has_its_interquartile_range_in_the_json_and_the_summary(tm
     cmp = doc["compare"]
     for name, values in (
         ("paired_ratio", cmp["paired_ratios"]),
+        ("paired_ratio_with_deferred", cmp["paired_ratios_with_deferred"]),
         ("added_us_per_step", cmp["added_us_per_step"]),
+        ("added_us_per_step_with_deferred", cmp["added_us_per_step_with_deferred"]),
         ("plain_elapsed_s", cmp["plain_elapsed_s"]),
         ("instrumented_elapsed_s", cmp["instrumented_elapsed_s"]),
+        ("instrumented_deferred_s", cmp["instrumented_deferred_s"]),
         ("plain_tokens_per_s", cmp["plain_tokens_per_s"]),
     ):
         assert len(values) == 5
@@ -147,8 +150,9 @@ def test_every_median_has_its_interquartile_range_in_the_json_and_the_summary(tm
     assert f"{doc['median_time_to_first_token_ms']:.3f} ms (IQR {q1:.3f} to {q3:.3f} ms)" in err
     q1, q3 = doc["iqr_time_per_output_token_ms"]
     assert f"{doc['median_time_per_output_token_ms']:.3f} ms (IQR {q1:.3f} to {q3:.3f} ms)" in err
-    q1, q3 = cmp["iqr_paired_ratio"]
-    assert f"{cmp['median_paired_ratio']:.4f} (IQR {q1:.4f} to {q3:.4f})" in err
+    for name in ("paired_ratio", "paired_ratio_with_deferred"):
+        q1, q3 = cmp[f"iqr_{name}"]
+        assert f"{cmp[f'median_{name}']:.4f} (IQR {q1:.4f} to {q3:.4f})" in err
     for line in err.splitlines():
         if " median " in line:
             assert "IQR" in line, line
@@ -328,6 +332,39 @@ def test_bench_with_an_unknown_option_prints_the_bench_usage(capsys):
     assert main(["nonsense"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: otel-generate ") and "invalid choice" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--exporter", "otlp-encode"], "--exporter applies to the instrumented runs of --compare; add --compare"),
+        (["--max-step-spans", "3"], "--max-step-spans applies to the instrumented runs of --compare; add --compare"),
+        (["--compare", "--max-step-spans", "-1"], "--max-step-spans must be 0 or more"),
+        (["--compare", "--exporter", "zipkin"], "invalid choice"),
+    ],
+)
+def test_compare_options_without_compare_or_out_of_range_exit_2(tmp_path, capsys, argv, message):
+    out = tmp_path / "out.json"
+    assert run_cli(*argv, "--output", str(out)) == 2
+    err = capsys.readouterr().err
+    assert message in err and "otel-generate bench: error:" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "module, argv, message",
+    [
+        ("opentelemetry.sdk", ["--compare"], "--compare needs the OpenTelemetry SDK"),
+        ("opentelemetry.exporter.otlp.proto.common", ["--compare", "--exporter", "otlp-encode"],
+         "--exporter otlp-encode needs opentelemetry-exporter-otlp-proto-common"),
+    ],
+)
+def test_compare_without_its_packages_exits_2(monkeypatch, tmp_path, capsys, module, argv, message):
+    monkeypatch.setitem(sys.modules, module, None)  # import -> ImportError
+    out = tmp_path / "out.json"
+    assert run_cli(*argv, "--output", str(out)) == 2
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 # --- the load average ---------------------------------------------------------------------------------
@@ -617,6 +654,124 @@ def test_headline_and_compare_say_which_runs_they_describe(tmp_path, capsys):
     # the plain side's throughput is reported from the plain runs themselves
     cmp = doc["compare"]
     assert cmp["plain_tokens_per_s"] == [3 / a for a in cmp["plain_elapsed_s"]]
+
+
+def test_compare_finishes_deferred_work_after_each_instrumented_call_and_charges_it(monkeypatch):
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.trace import TracerProvider
+
+    log = []
+    original_timed = harness._Runner.timed
+    original_trace_flush, original_meter_flush = TracerProvider.force_flush, MeterProvider.force_flush
+
+    def timed(self):
+        log.append("instrumented" if GenerateInstrumentor().is_instrumented_by_opentelemetry else "plain")
+        return original_timed(self)
+
+    def trace_flush(self, *a, **k):
+        log.append("trace flush")
+        return original_trace_flush(self, *a, **k)
+
+    def meter_flush(self, *a, **k):
+        log.append("meter flush")
+        return original_meter_flush(self, *a, **k)
+
+    monkeypatch.setattr(harness._Runner, "timed", timed)
+    monkeypatch.setattr(TracerProvider, "force_flush", trace_flush)
+    monkeypatch.setattr(MeterProvider, "force_flush", meter_flush)
+    now = [0.0]
+
+    def fake_clock():  # every read advances 0.25 s: each timed call and each flush "takes" 0.25 s
+        now[0] += 0.25
+        return now[0]
+
+    result = harness.run(harness.BenchConfig(new_tokens=4, warmup=1, runs=3, compare=True), clock=fake_clock)
+    cmp = result["compare"]
+    # after the 3 measured (profiled) runs: 1 warmup pair and 3 pairs; the flushes come right after
+    # each instrumented call, before the next plain call's timer starts
+    pair = ["plain", "instrumented", "trace flush", "meter flush"]
+    assert log[3:] == pair * 4
+    assert cmp["plain_elapsed_s"] == cmp["instrumented_elapsed_s"] == [0.25] * 3
+    assert cmp["deferred_trace_flush_s"] == cmp["deferred_metric_flush_s"] == [0.25] * 3
+    assert cmp["instrumented_deferred_s"] == [0.5] * 3
+    assert cmp["paired_ratios"] == [1.0] * 3  # caller-visible
+    assert cmp["paired_ratios_with_deferred"] == [3.0] * 3  # (0.25 + 0.5) / 0.25
+    assert cmp["median_paired_ratio_with_deferred"] == 3.0 and cmp["iqr_paired_ratio_with_deferred"] == [3.0, 3.0]
+    assert cmp["added_us_per_step_with_deferred"] == [0.5 / 4 * 1e6] * 3
+    assert cmp["median_instrumented_deferred_s"] == 0.5 and cmp["flushes_complete"] is True
+
+
+def test_compare_each_flush_exports_its_own_run_before_the_next_one():
+    result = harness.run(harness.BenchConfig(new_tokens=4, warmup=1, runs=3, compare=True))
+    cmp = result["compare"]
+    # the flush after each instrumented call exported that call's request span and 4 step spans
+    assert cmp["spans_exported_after_each_flush"] == [5, 10, 15]
+    assert cmp["paired_ratios_with_deferred"] == [
+        (b + t + m) / a
+        for a, b, t, m in zip(
+            cmp["plain_elapsed_s"], cmp["instrumented_elapsed_s"], cmp["deferred_trace_flush_s"],
+            cmp["deferred_metric_flush_s"],
+        )
+    ]
+    assert all(d >= 0 for d in cmp["instrumented_deferred_s"])
+    assert cmp["exporter"] == "discard" and cmp["exported_bytes"] is None and cmp["exported_metric_bytes"] is None
+
+
+def test_otlp_encode_exporter_really_encodes_every_span_as_otlp_protobuf(monkeypatch, capsys):
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    span_payloads, metric_payloads = [], []
+    encode_spans, encode_metrics = harness.encode_spans_request, harness.encode_metrics_request
+
+    def spy_spans(spans):
+        message = encode_spans(spans)
+        span_payloads.append(message.SerializeToString())
+        return message
+
+    def spy_metrics(data):
+        message = encode_metrics(data)
+        metric_payloads.append(message.SerializeToString())
+        return message
+
+    monkeypatch.setattr(harness, "encode_spans_request", spy_spans)
+    monkeypatch.setattr(harness, "encode_metrics_request", spy_metrics)
+    argv = ["--new-tokens", "3", "--runs", "2", "--warmup", "0", "--compare", "--exporter", "otlp-encode"]
+    assert run_cli(*argv, "--output", "-") == 0
+    captured = capsys.readouterr()
+    cmp = json.loads(captured.out)["compare"]
+    assert cmp["exporter"] == "otlp-encode"
+    # the bytes counted are the bytes of real OTLP requests, holding every exported span
+    assert span_payloads and cmp["exported_bytes"] == sum(len(p) for p in span_payloads) > 0
+    decoded = [ExportTraceServiceRequest.FromString(p) for p in span_payloads]
+    names = [
+        span.name for request in decoded for rs in request.resource_spans for ss in rs.scope_spans for span in ss.spans
+    ]
+    assert len(names) == cmp["spans_exported"] == cmp["spans_expected"] == 2 * (1 + 3)
+    requests = [n for n in names if n.startswith(A.OPERATION_TEXT_COMPLETION + " ")]
+    assert len(requests) == 2  # one request span per instrumented call
+    assert sorted(n for n in names if n not in requests) == [A.STEP_SPAN_DECODE] * 4 + [A.STEP_SPAN_PREFILL] * 2
+    # and the metrics, once per instrumented call
+    assert len(metric_payloads) == 2 and cmp["exported_metric_bytes"] == sum(len(p) for p in metric_payloads) > 0
+    metric_names = {
+        m.name
+        for request in map(ExportMetricsServiceRequest.FromString, metric_payloads)
+        for rm in request.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+    }
+    assert {A.METRIC_REQUEST_DURATION, A.METRIC_TIME_TO_FIRST_TOKEN, A.METRIC_TOKEN_USAGE} <= metric_names
+    assert f"{cmp['exported_bytes']:,} OTLP bytes encoded and discarded" in captured.err
+
+
+def test_max_step_spans_is_passed_to_the_instrumented_runs(capsys):
+    assert run_cli("--new-tokens", "4", "--runs", "2", "--warmup", "0", "--compare", "--max-step-spans", "1",
+                   "--output", "-") == 0
+    cmp = json.loads(capsys.readouterr().out)["compare"]
+    assert cmp["max_step_spans"] == 1 and "max_step_spans=1" in cmp["instrumented"]
+    assert cmp["spans_exported"] == cmp["spans_expected"] == 2 * (1 + 1)  # the request span and one step span
+    assert run_cli("--new-tokens", "4", "--runs", "1", "--warmup", "0", "--compare", "--max-step-spans", "0",
+                   "--output", "-") == 0
+    cmp = json.loads(capsys.readouterr().out)["compare"]
+    assert cmp["spans_exported"] == cmp["spans_expected"] == 1
 
 
 def test_compare_refuses_when_generate_is_already_instrumented(instrumented, tmp_path, capsys):

@@ -19,7 +19,7 @@ import tempfile
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from otel_generate.bench import harness
-from otel_generate.bench.harness import DEVICES, DTYPES, MODEL_EOS, BenchConfig, BenchUsageError
+from otel_generate.bench.harness import DEVICES, DTYPES, EXPORTERS, MODEL_EOS, BenchConfig, BenchUsageError
 from otel_generate.bench.plot import MATPLOTLIB_MISSING, PLOT_FORMATS, plot_format
 
 PROG = "otel-generate"
@@ -70,8 +70,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"per token index, prefill marked) in the format of the extension: "
                              f"{', '.join('.' + e for e in PLOT_FORMATS)} (needs matplotlib)")
     parser.add_argument("--compare", action="store_true",
-                        help="also time plain vs instrumented generate(), interleaved A B A B, --runs pairs "
-                             "(runs of their own, apart from the measured runs)")
+                        help="also time plain vs instrumented generate(), interleaved A B A B, --runs pairs; "
+                             "the work each instrumented call defers (span export, metric collection) is "
+                             "finished outside the timers and reported both apart and charged to that call")
+    parser.add_argument("--exporter", choices=EXPORTERS, default="discard",
+                        help="--compare's exporter: discard (count spans and drop them, default) or otlp-encode "
+                             "(encode every span batch and metric collection as OTLP protobuf, as a real OTLP "
+                             "exporter does, count the bytes and drop them)")
+    parser.add_argument("--max-step-spans", type=int, default=None, metavar="N",
+                        help="--compare: instrument(max_step_spans=N), at most N step spans per request "
+                             "(0: none); default: the instrumentation's own (OTEL_GENERATE_MAX_STEP_SPANS or 1024)")
     # A continuous-batching workload (--continuous-batching --requests N) would be another harness runner.
 
 
@@ -92,6 +100,8 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> Benc
         output=args.output,
         plot=args.plot,
         compare=args.compare,
+        exporter=args.exporter,
+        max_step_spans=args.max_step_spans,
         argv=list(argv),
     )
 
@@ -146,15 +156,23 @@ def summary_text(result: Dict[str, Any]) -> str:
         def m(name: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
             return _median_iqr(cmp[f"median_{name}"], cmp[f"iqr_{name}"], fmt, scale, unit)
 
+        byte_text = ""
+        if cmp.get("exported_bytes") is not None:
+            byte_text = f", {cmp['exported_bytes']:,} OTLP bytes encoded and discarded"
+            if cmp.get("exported_metric_bytes") is not None:
+                byte_text += f" (+{cmp['exported_metric_bytes']:,} of metrics)"
         lines += [
             f"  compare: {cmp['pairs']} pairs of runs of their own (not the measured runs above), "
-            f"plain / instrumented interleaved A B A B",
+            f"plain / instrumented interleaved A B A B, exporter {cmp['exporter']}",
             f"    plain         median {m('plain_elapsed_s', '.3f', 1e3, 'ms')}, "
             f"{m('plain_tokens_per_s', '.1f', unit='tokens/s')}",
-            f"    instrumented  median {m('instrumented_elapsed_s', '.3f', 1e3, 'ms')}",
-            f"    paired ratio instrumented/plain {m('paired_ratio', '.4f')}, "
-            f"added per step {m('added_us_per_step', '.1f', unit='us')}",
-            f"    spans exported {cmp['spans_exported']} (expected {cmp['spans_expected']}); "
+            f"    instrumented  median {m('instrumented_elapsed_s', '.3f', 1e3, 'ms')} caller-visible, "
+            f"+ {m('instrumented_deferred_s', '.3f', 1e3, 'ms')} deferred (span and metric flush after the call)",
+            f"    paired ratio instrumented/plain: caller-visible {m('paired_ratio', '.4f')}, "
+            f"with deferred work {m('paired_ratio_with_deferred', '.4f')}",
+            f"    added per step: caller-visible {m('added_us_per_step', '.1f', unit='us')}, "
+            f"with deferred work {m('added_us_per_step_with_deferred', '.1f', unit='us')}",
+            f"    spans exported {cmp['spans_exported']} (expected {cmp['spans_expected']}){byte_text}; "
             f"outputs identical: {cmp['outputs_identical']}",
         ]
     return "\n".join(lines)

@@ -20,10 +20,11 @@
 
 ``--compare`` measures the instrumentation's cost in runs of its own: plain ``generate()``
 (the original ``GenerationMixin.generate``, uninstrumented) and instrumented ``generate()``
-(SDK ``TracerProvider`` with a ``BatchSpanProcessor`` and an exporter that discards, SDK
-``MeterProvider``) run interleaved A B A B on the same inputs; it reports the median of the
-paired ratios instrumented/plain and the median added microseconds per decode step, each with
-its interquartile range.
+(SDK ``TracerProvider`` with a ``BatchSpanProcessor`` and the ``--exporter``, SDK
+``MeterProvider``) run interleaved A B A B on the same inputs. After each instrumented call the
+work it deferred (the span processor's export, the metric collection) is finished outside any
+timer and charged to that call, so it reports two paired ratios: the caller-visible one and
+the one including deferred work.
 
 A workload is a :class:`_Runner`: a model, its inputs and the one call each run times. Another
 workload (e.g. continuous batching, ``--continuous-batching --requests N``) would be another
@@ -54,6 +55,9 @@ from otel_generate.tokens import count_new_tokens
 
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("float32", "float16", "bfloat16")
+#: ``--exporter``: ``discard`` counts spans and drops them; ``otlp-encode`` encodes each batch as
+#: an OTLP protobuf request (what a real OTLP exporter sends), counts the bytes, drops them.
+EXPORTERS = ("discard", "otlp-encode")
 #: ``--eos`` given without a value: use the model's own EOS id.
 MODEL_EOS = "model"
 #: A load average above this many runnable tasks per core (besides the bench's own) is "busy".
@@ -121,6 +125,8 @@ class BenchConfig:
     output: Optional[str] = None
     plot: Optional[str] = None
     compare: bool = False
+    exporter: str = "discard"  # --compare's span exporter, one of EXPORTERS
+    max_step_spans: Optional[int] = None  # --compare: instrument(max_step_spans=N); None: the instrumentation's default
     argv: List[str] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -157,6 +163,15 @@ class BenchConfig:
             raise BenchUsageError(f"--model {self.model!r} does not exist or is not a directory")
         if self.model_config is not None and not os.path.exists(self.model_config):
             raise BenchUsageError(f"--model-config {self.model_config!r} does not exist")
+        if self.exporter not in EXPORTERS:
+            raise BenchUsageError(f"--exporter must be one of {', '.join(EXPORTERS)}, got {self.exporter!r}")
+        if self.max_step_spans is not None and self.max_step_spans < 0:
+            raise BenchUsageError(f"--max-step-spans must be 0 or more, got {self.max_step_spans}")
+        if not self.compare:
+            if self.exporter != "discard":
+                raise BenchUsageError("--exporter applies to the instrumented runs of --compare; add --compare")
+            if self.max_step_spans is not None:
+                raise BenchUsageError("--max-step-spans applies to the instrumented runs of --compare; add --compare")
         for option, path in (("--output", self.output), ("--plot", self.plot)):
             if path is None or path == "-" and option == "--output":
                 continue
@@ -177,6 +192,22 @@ class BenchConfig:
                 import matplotlib  # noqa: F401
             except ImportError:
                 raise BenchUsageError(MATPLOTLIB_MISSING) from None
+        if self.compare:
+            _require("opentelemetry.sdk", "--compare needs the OpenTelemetry SDK: pip install opentelemetry-sdk "
+                     "(the package's [bench] extra)")
+        if self.exporter == "otlp-encode":
+            _require("opentelemetry.exporter.otlp.proto.common",
+                     "--exporter otlp-encode needs opentelemetry-exporter-otlp-proto-common "
+                     "(the package's [bench] extra)")
+
+
+def _require(module: str, message: str) -> None:
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise BenchUsageError(message) from None
 
 
 def resolve_device(requested: str) -> str:
@@ -618,20 +649,65 @@ def _ms(seconds: Optional[float]) -> Optional[float]:
 
 
 # --------------------------------------------------------------------------------------------
-# --compare: paired ratios
+# --compare: exporters, deferred work, paired ratios
 # --------------------------------------------------------------------------------------------
 
 
-def _discarding_exporter() -> Any:
+def encode_spans_request(spans: Sequence[Any]) -> Any:
+    """The OTLP ``ExportTraceServiceRequest`` a real OTLP exporter would send for ``spans``.
+
+    opentelemetry-exporter-otlp-proto-common's ``encode_spans``, the encoder of the SDK's OTLP
+    gRPC and HTTP span exporters.
+    """
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    return encode_spans(spans)
+
+
+def encode_metrics_request(data: Any) -> Any:
+    """The OTLP ``ExportMetricsServiceRequest`` for ``data`` (``encode_metrics`` of the same package)."""
+    from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+
+    return encode_metrics(data)
+
+
+def make_exporters(kind: str) -> Tuple[Any, Any]:
+    """``(span exporter, metric reader)`` for ``--exporter kind`` (see :data:`EXPORTERS`).
+
+    * ``discard``: the span exporter counts spans (``.spans``) and drops them; the metrics go
+      to an SDK ``InMemoryMetricReader`` (collected, never encoded). ``.bytes`` is ``None``.
+    * ``otlp-encode``: the span exporter encodes each batch with :func:`encode_spans_request`,
+      serializes it (``SerializeToString``), adds its length to ``.bytes`` and its span count
+      to ``.spans``, and drops the bytes; the metrics go to a ``PeriodicExportingMetricReader``
+      (no timer thread: collected on flush) whose exporter does the same with
+      :func:`encode_metrics_request` (``.bytes`` of the metric exporter, ``reader.exporter``).
+      What is left out is only the network.
+
+    Raises:
+        ValueError: an unknown ``kind``.
+    """
+    from opentelemetry.sdk.metrics.export import (
+        InMemoryMetricReader,
+        MetricExporter,
+        MetricExportResult,
+        PeriodicExportingMetricReader,
+    )
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-    class DiscardingSpanExporter(SpanExporter):
-        """Counts the spans it receives and drops them (the export cost of a real exporter is not measured)."""
+    if kind not in EXPORTERS:
+        raise ValueError(f"unknown exporter {kind!r}; expected one of {', '.join(EXPORTERS)}")
+    encode = kind == "otlp-encode"
+
+    class BenchSpanExporter(SpanExporter):
+        """Counts the spans (and, encoding, the OTLP bytes) it receives and drops them."""
 
         def __init__(self) -> None:
             self.spans = 0
+            self.bytes: Optional[int] = 0 if encode else None
 
         def export(self, spans: Sequence[Any]) -> Any:
+            if encode:
+                self.bytes += len(encode_spans_request(spans).SerializeToString())
             self.spans += len(spans)
             return SpanExportResult.SUCCESS
 
@@ -641,7 +717,30 @@ def _discarding_exporter() -> Any:
         def force_flush(self, timeout_millis: int = 30000) -> bool:
             return True
 
-    return DiscardingSpanExporter()
+    if not encode:
+        return BenchSpanExporter(), InMemoryMetricReader()
+
+    class EncodingMetricExporter(MetricExporter):
+        """Encodes each metrics export as OTLP protobuf, counts the bytes and drops them."""
+
+        def __init__(self) -> None:
+            super().__init__()  # cumulative temporality, as the in-memory reader of ``discard`` collects
+            self.bytes = 0
+
+        def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> Any:
+            self.bytes += len(encode_metrics_request(metrics_data).SerializeToString())
+            return MetricExportResult.SUCCESS
+
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return True
+
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+            pass
+
+    metric_exporter = EncodingMetricExporter()
+    reader = PeriodicExportingMetricReader(metric_exporter, export_interval_millis=math.inf)
+    reader.exporter = metric_exporter
+    return BenchSpanExporter(), reader
 
 
 def _check_uninstrumented() -> None:
@@ -664,17 +763,30 @@ def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str,
 
     These runs are separate from the measured (profiled) runs of the headline. Plain is the
     original ``GenerationMixin.generate`` (the instrumentor is uninstrumented, so no wrapper
-    runs at all); instrumented is ``GenerateInstrumentor().instrument()`` with an SDK
-    ``TracerProvider`` + ``BatchSpanProcessor`` + a discarding exporter and an SDK
-    ``MeterProvider`` (in-memory reader). Instrumenting and uninstrumenting happen outside the
-    timer; ``gc.collect()`` runs before every timed call on both sides.
+    runs at all); instrumented is ``GenerateInstrumentor().instrument()`` (with
+    ``max_step_spans=--max-step-spans`` when given) with an SDK ``TracerProvider`` +
+    ``BatchSpanProcessor`` + the ``--exporter`` and an SDK ``MeterProvider`` (see
+    :func:`make_exporters`). Instrumenting and uninstrumenting happen outside the timer;
+    ``gc.collect()`` runs before every timed call on both sides.
+
+    Deferred work: right after each instrumented timed call, outside any timer and before the
+    next run, ``tracer_provider.force_flush()`` (the batch processor exports the call's spans
+    on its thread; with ``otlp-encode`` that is the encoding) and then
+    ``meter_provider.force_flush()`` (the metric collection, and its encoding) run, each timed
+    with the same clock. Their sum is charged to that call: ``paired_ratios_with_deferred`` =
+    (instrumented + deferred) / plain. The metric flush is periodic in a real deployment (every
+    export interval, not every request), so charging one per request is an upper bound.
 
     Returns:
-        per pair (lists): ``plain_elapsed_s``, ``instrumented_elapsed_s`` (seconds),
-        ``paired_ratios`` (instrumented / plain), ``steps`` (decode steps per run),
-        ``added_us_per_step`` ((instrumented - plain) / steps, microseconds),
-        ``plain_tokens_per_s``; for each of those a ``median_X`` and an ``iqr_X``
-        (``[25th, 75th percentile]``); ``spans_exported`` / ``spans_expected``,
+        per pair (lists): ``plain_elapsed_s``, ``instrumented_elapsed_s``,
+        ``deferred_trace_flush_s``, ``deferred_metric_flush_s``, ``instrumented_deferred_s``
+        (their sum), ``paired_ratios`` (instrumented / plain, caller-visible),
+        ``paired_ratios_with_deferred``, ``steps`` (decode steps per run), ``added_us_per_step``
+        and ``added_us_per_step_with_deferred`` ((instrumented [+ deferred] - plain) / steps,
+        microseconds), ``plain_tokens_per_s``, ``spans_exported_after_each_flush`` (cumulative);
+        for each of those a ``median_X`` and an ``iqr_X`` (``[25th, 75th percentile]``);
+        ``spans_exported`` / ``spans_expected``, ``exported_bytes`` / ``exported_metric_bytes``
+        (``otlp-encode``: serialized OTLP bytes; ``discard``: ``None``), ``flushes_complete``,
         ``outputs_identical`` and descriptions of both paths.
 
     Raises:
@@ -683,48 +795,73 @@ def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str,
     """
     import torch
     from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     from otel_generate import DEFAULT_MAX_STEP_SPANS, ENV_MAX_STEP_SPANS, GenerateInstrumentor, _env_int
 
     _check_uninstrumented()
+    config = runner.config
+    clock = runner.clock
     instrumentor = GenerateInstrumentor()
-    exporter = _discarding_exporter()
+    exporter, metric_reader = make_exporters(config.exporter)
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
-    meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
+    meter_provider = MeterProvider(metric_readers=[metric_reader])
+    options: Dict[str, Any] = dict(tracer_provider=tracer_provider, meter_provider=meter_provider, skip_dep_check=True)
+    if config.max_step_spans is not None:
+        options["max_step_spans"] = config.max_step_spans
+        max_step_spans = config.max_step_spans
+    else:
+        max_step_spans = _env_int(ENV_MAX_STEP_SPANS, DEFAULT_MAX_STEP_SPANS)  # what instrument() uses
+    flushes_complete = True
 
     def plain() -> Tuple[Any, float]:
         gc.collect()
         return runner.timed()
 
-    def instrumented() -> Tuple[Any, float]:
-        instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider, skip_dep_check=True)
+    def instrumented() -> Tuple[Any, float, float, float]:
+        nonlocal flushes_complete
+        instrumentor.instrument(**options)
         try:
             gc.collect()
-            return runner.timed()
+            output, elapsed = runner.timed()
+            # the work this call deferred, finished now, outside the timers, and charged to it
+            start = clock()
+            traced = tracer_provider.force_flush()
+            middle = clock()
+            metered = meter_provider.force_flush()
+            end = clock()
         finally:
             instrumentor.uninstrument()
+        flushes_complete = flushes_complete and traced is not False and metered is not False
+        return output, elapsed, middle - start, end - middle
 
-    config = runner.config
     try:
         for _ in range(config.warmup):
             plain()
             instrumented()
-        tracer_provider.force_flush()
         spans_before = exporter.spans
+        bytes_before = exporter.bytes
+        metric_exporter = getattr(metric_reader, "exporter", None)
+        metric_bytes_before = metric_exporter.bytes if metric_exporter is not None else None
+        flushes_complete = True
         plain_s: List[float] = []
         instr_s: List[float] = []
+        trace_flush_s: List[float] = []
+        metric_flush_s: List[float] = []
         steps: List[int] = []
         plain_rates: List[float] = []
+        exported_after: List[int] = []
         identical = True
         for pair in range(config.runs):
             out_a, elapsed_a = plain()
-            out_b, elapsed_b = instrumented()
+            out_b, elapsed_b, flush_trace, flush_metric = instrumented()
+            exported_after.append(exporter.spans - spans_before)
             plain_s.append(elapsed_a)
             instr_s.append(elapsed_b)
+            trace_flush_s.append(flush_trace)
+            metric_flush_s.append(flush_metric)
             seq_a, seq_b = _sequences(out_a), _sequences(out_b)
             identical = identical and seq_a.shape == seq_b.shape and bool(torch.equal(seq_a, seq_b))
             counts_a = runner.counts(out_a)
@@ -733,41 +870,67 @@ def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str,
             plain_rates.append(sum(counts_a) / elapsed_a)
             if monitor is not None:
                 monitor.read(f"pair {pair + 1}")
-        tracer_provider.force_flush()
         spans_exported = exporter.spans - spans_before
+        exported_bytes = None if exporter.bytes is None else exporter.bytes - bytes_before
+        metric_bytes = None if metric_exporter is None else metric_exporter.bytes - metric_bytes_before
     finally:
         tracer_provider.shutdown()
         meter_provider.shutdown()
-    max_step_spans = _env_int(ENV_MAX_STEP_SPANS, DEFAULT_MAX_STEP_SPANS)  # what instrument() used
+    deferred = [t + m for t, m in zip(trace_flush_s, metric_flush_s)]
     ratios = [b / a for a, b in zip(plain_s, instr_s)]
+    ratios_deferred = [(b + d) / a for a, b, d in zip(plain_s, instr_s, deferred)]
     added = [(b - a) / n * 1e6 for a, b, n in zip(plain_s, instr_s, steps)]
+    added_deferred = [(b + d - a) / n * 1e6 for a, b, d, n in zip(plain_s, instr_s, deferred, steps)]
+    instrumented_description = (
+        "GenerateInstrumentor().instrument(tracer_provider=SDK TracerProvider + BatchSpanProcessor + "
+        + ("discarding SpanExporter, meter_provider=SDK MeterProvider + InMemoryMetricReader"
+           if config.exporter == "discard" else
+           "SpanExporter that encodes OTLP protobuf and discards the bytes, meter_provider=SDK MeterProvider + "
+           "PeriodicExportingMetricReader whose exporter encodes OTLP protobuf and discards the bytes")
+        + (f", max_step_spans={config.max_step_spans}" if config.max_step_spans is not None else "")
+        + ")"
+    )
     result: Dict[str, Any] = {
         "pairs": config.runs,
-        "order": "A B A B (plain, then instrumented, per pair)",
+        "order": "A B A B (plain, then instrumented, per pair); deferred work finished after each B, untimed by A or B",
         "runs": "runs of their own, separate from the measured (profiled) runs of the headline",
         "plain": "GenerationMixin.generate uninstrumented (the original function; no wrapper runs)",
-        "instrumented": (
-            "GenerateInstrumentor().instrument(tracer_provider=SDK TracerProvider + BatchSpanProcessor + "
-            "discarding SpanExporter, meter_provider=SDK MeterProvider + InMemoryMetricReader)"
+        "instrumented": instrumented_description,
+        "deferred": (
+            "after each instrumented call, outside its timer and before the next run: "
+            "tracer_provider.force_flush() then meter_provider.force_flush(), each timed; charged to that call"
         ),
+        "exporter": config.exporter,
         "plain_elapsed_s": plain_s,
         "instrumented_elapsed_s": instr_s,
+        "deferred_trace_flush_s": trace_flush_s,
+        "deferred_metric_flush_s": metric_flush_s,
+        "instrumented_deferred_s": deferred,
         "paired_ratios": ratios,
+        "paired_ratios_with_deferred": ratios_deferred,
         "steps": steps,
         "added_us_per_step": added,
+        "added_us_per_step_with_deferred": added_deferred,
         "plain_tokens_per_s": plain_rates,
     }
     _with_iqr(result, "paired_ratio", ratios)
+    _with_iqr(result, "paired_ratio_with_deferred", ratios_deferred)
     _with_iqr(result, "added_us_per_step", added)
+    _with_iqr(result, "added_us_per_step_with_deferred", added_deferred)
     _with_iqr(result, "plain_elapsed_s", plain_s)
     _with_iqr(result, "instrumented_elapsed_s", instr_s)
+    _with_iqr(result, "instrumented_deferred_s", deferred)
     _with_iqr(result, "plain_tokens_per_s", plain_rates)
     result.update(
         {
             "spans_exported": spans_exported,
+            "spans_exported_after_each_flush": exported_after,
             "max_step_spans": max_step_spans,
             # per run: the request span + one span per step (at most max_step_spans)
             "spans_expected": sum(1 + min(n, max_step_spans) for n in steps),
+            "exported_bytes": exported_bytes,
+            "exported_metric_bytes": metric_bytes,
+            "flushes_complete": flushes_complete,
             "outputs_identical": identical,
         }
     )
@@ -785,7 +948,7 @@ def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> 
     Nothing is written here (see :func:`otel_generate.bench.cli.main_bench`). ``torch``'s CPU
     thread count is set to ``config.threads`` for the run and restored afterwards. The load
     average is read throughout (:class:`LoadMonitor`); ``warnings`` lists what makes the numbers
-    less trustworthy (a busy machine).
+    less trustworthy (a busy machine, a flush that timed out).
 
     Raises:
         BenchUsageError: invalid input (see :meth:`BenchConfig.validate`, :func:`resolve_device`,
@@ -835,7 +998,10 @@ def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> 
             result["compare"] = compare(runner, monitor)
         monitor.read("end")
         result["load"] = monitor.report()
-        result["warnings"] = [result["load"]["warning"]] if result["load"]["warning"] else []
+        warnings = [result["load"]["warning"]] if result["load"]["warning"] else []
+        if config.compare and not result["compare"]["flushes_complete"]:
+            warnings.append("a flush of deferred work timed out: some deferred work was not charged to its run")
+        result["warnings"] = warnings
         return result
     finally:
         torch.set_num_threads(previous_threads)
