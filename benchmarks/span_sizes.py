@@ -1,6 +1,6 @@
 """OTLP-encoded size of the spans one ``generate()`` call emits: the inputs of docs/scaling.md.
 
-One greedy ``generate()`` on a tiny random-weight GPT-2 (``otel_generate.models.build_model``,
+One greedy ``generate()`` on a tiny random-weight GPT-2 (``otel_generate.bench.models.build_model``,
 CPU), instrumented with an SDK ``TracerProvider`` and an in-memory exporter, so the spans are the
 ones this package emits: a request span ``text_completion {model}`` and one step span per decode
 step (``prefill``, then ``decode``). Token ids are random; EOS is disabled, so exactly
@@ -63,7 +63,7 @@ def measure(
 
     from otel_generate import GenerateInstrumentor
     from otel_generate import attributes as A
-    from otel_generate.models import VOCAB_SIZE, build_model
+    from otel_generate.bench.models import VOCAB_SIZE, build_model
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))

@@ -21,7 +21,7 @@ import torch
 from opentelemetry import trace
 
 from otel_generate import TokenLatencyProfiler
-from otel_generate.models import ARCHITECTURES, build_model, load_model
+from otel_generate.bench.models import ARCHITECTURES, build_model, load_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -35,7 +35,7 @@ from opentelemetry import trace
 from opentelemetry.instrumentation.flask import FlaskInstrumentor
 
 from otel_generate import TokenLatencyProfiler
-from otel_generate.models import build_model
+from otel_generate.bench.models import build_model
 
 #: Upper bound on ``new_tokens`` per request (a demo server should not be asked for 10**9 tokens).
 MAX_NEW_TOKENS = 256

@@ -2,6 +2,6 @@
 
 import sys
 
-from otel_generate.cli import main
+from otel_generate.bench.cli import main
 
 sys.exit(main())

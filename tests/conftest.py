@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from otel_generate import GenerateInstrumentor
 from otel_generate import attributes as A
-from otel_generate.models import build_model
+from otel_generate.bench.models import build_model
 
 
 @pytest.fixture

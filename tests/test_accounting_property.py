@@ -21,7 +21,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from otel_generate import GenerateInstrumentor
 from otel_generate import attributes as A
-from otel_generate.models import EOS_TOKEN_ID, PAD_TOKEN_ID
+from otel_generate.bench.models import EOS_TOKEN_ID, PAD_TOKEN_ID
 
 from conftest import request_spans, step_spans, uninstrumented_generate
 

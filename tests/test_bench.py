@@ -15,12 +15,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 
-from otel_generate import GenerateInstrumentor, bench, clock
-from otel_generate.cli import main
-from otel_generate.models import PAD_TOKEN_ID, build_model
+from otel_generate import GenerateInstrumentor, clock
+from otel_generate import attributes as A
+from otel_generate.bench import harness, stats
+from otel_generate.bench.cli import main
+from otel_generate.bench.models import PAD_TOKEN_ID, build_model
 from otel_generate.tokens import count_new_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +37,7 @@ def run_cli(*argv):
 def no_eos_continuation(batch_size, new_tokens, prompt_tokens=4, seed=0):
     """What the harness's model generates for its seeded prompt with EOS off (computed apart from the harness)."""
     model = build_model("gpt2", seed=seed)
-    inputs = bench.make_inputs(model, batch_size, prompt_tokens, seed)
+    inputs = harness.make_inputs(model, batch_size, prompt_tokens, seed)
     out = model.generate(
         **inputs, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=PAD_TOKEN_ID
     )
@@ -61,14 +64,22 @@ def check_schema(doc):
         "median_time_to_first_token_ms": NUMBER + (type(None),),
         "median_time_per_output_token_ms": NUMBER + (type(None),),
     }
-    assert set(types) == set(bench.RESULT_KEYS)
+    assert set(types) == set(harness.RESULT_KEYS)
     for key, kind in types.items():
         if key not in doc:
             problems.append(f"missing {key}")
         elif isinstance(doc[key], bool) or not isinstance(doc[key], kind):
             problems.append(f"{key} is {type(doc[key]).__name__}")
+    # every median has its interquartile range: [25th, 75th percentile] (None only with the median)
+    assert {"iqr_" + k[len("median_"):] for k in types if k.startswith("median_")} == set(harness.IQR_KEYS)
+    for key in harness.IQR_KEYS:
+        value, median = doc.get(key, "missing"), doc.get("median_" + key[len("iqr_"):])
+        if value is None and median is None:
+            continue
+        if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, NUMBER) for v in value)):
+            problems.append(f"{key} is not [q1, q3]")
     versions = doc.get("versions") if isinstance(doc.get("versions"), dict) else {}
-    for key in bench.VERSION_KEYS:
+    for key in harness.VERSION_KEYS:
         if not isinstance(versions.get(key), str):
             problems.append(f"versions.{key} missing")
     samples = doc.get("samples") if isinstance(doc.get("samples"), list) else []
@@ -106,8 +117,56 @@ def test_json_has_every_key_of_the_issue_with_its_type(tmp_path, capsys):
     assert "tokens/s" in err and "time to first token" in err  # the human-readable summary is on stderr
 
 
+def test_every_median_has_its_interquartile_range_in_the_json_and_the_summary(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert run_cli("--runs", "5", "--warmup", "0", "--new-tokens", "3", "--compare", "--output", str(path)) == 0
+    doc = json.loads(path.read_text())
+    samples = doc["samples"]
+    for name in ("elapsed_s", "tokens_per_s", "time_to_first_token_ms", "time_per_output_token_ms"):
+        values = [s[name] for s in samples]
+        assert doc[f"median_{name}"] == statistics.median(values)
+        assert doc[f"iqr_{name}"] == pytest.approx(_quartiles(values), rel=1e-12)
+    cmp = doc["compare"]
+    for name, values in (
+        ("paired_ratio", cmp["paired_ratios"]),
+        ("paired_ratio_with_deferred", cmp["paired_ratios_with_deferred"]),
+        ("added_us_per_step", cmp["added_us_per_step"]),
+        ("added_us_per_step_with_deferred", cmp["added_us_per_step_with_deferred"]),
+        ("plain_elapsed_s", cmp["plain_elapsed_s"]),
+        ("instrumented_elapsed_s", cmp["instrumented_elapsed_s"]),
+        ("instrumented_deferred_s", cmp["instrumented_deferred_s"]),
+        ("plain_tokens_per_s", cmp["plain_tokens_per_s"]),
+    ):
+        assert len(values) == 5
+        assert cmp[f"median_{name}"] == statistics.median(values)
+        assert cmp[f"iqr_{name}"] == pytest.approx(_quartiles(values), rel=1e-12)
+    # the summary prints the same interquartile ranges next to the medians
+    err = capsys.readouterr().err
+    q1, q3 = doc["iqr_elapsed_s"]
+    assert f"median {doc['median_elapsed_s'] * 1e3:.3f} ms (IQR {q1 * 1e3:.3f} to {q3 * 1e3:.3f} ms)" in err
+    q1, q3 = doc["iqr_tokens_per_s"]
+    assert f"median {doc['median_tokens_per_s']:.1f} (IQR {q1:.1f} to {q3:.1f})" in err
+    q1, q3 = doc["iqr_time_to_first_token_ms"]
+    assert f"{doc['median_time_to_first_token_ms']:.3f} ms (IQR {q1:.3f} to {q3:.3f} ms)" in err
+    q1, q3 = doc["iqr_time_per_output_token_ms"]
+    assert f"{doc['median_time_per_output_token_ms']:.3f} ms (IQR {q1:.3f} to {q3:.3f} ms)" in err
+    for name in ("paired_ratio", "paired_ratio_with_deferred"):
+        q1, q3 = cmp[f"iqr_{name}"]
+        assert f"{cmp[f'median_{name}']:.4f} (IQR {q1:.4f} to {q3:.4f})" in err
+    for line in err.splitlines():
+        if " median " in line:
+            assert "IQR" in line, line
+
+
+def test_interquartile_range_of_known_values():
+    assert stats.iqr_of([4.0, 1.0, 3.0, 2.0]) == [1.75, 3.25]  # numpy.percentile([1, 2, 3, 4], [25, 75])
+    assert stats.iqr_of([7.0]) == [7.0, 7.0]
+    assert stats.iqr_of([None, 2.0, None, 4.0]) == [2.5, 3.5]  # missing values are skipped, as for the median
+    assert stats.iqr_of([None]) is None and stats.median_of([None]) is None
+
+
 def test_schema_check_rejects_a_document_missing_a_key():
-    doc = {key: 0 for key in bench.RESULT_KEYS}
+    doc = {key: 0 for key in harness.RESULT_KEYS}
     assert check_schema(doc)  # wrong types and missing versions are reported
     assert any("missing median_tokens_per_s" in p for p in check_schema({k: v for k, v in doc.items() if k != "median_tokens_per_s"}))
 
@@ -146,16 +205,16 @@ def test_each_measured_run_is_one_synchronized_generate_between_two_clock_reads(
         now[0] += 0.25
         return now[0]
 
-    monkeypatch.setattr(bench, "synchronizer_for", lambda device: (lambda: log.append("sync")))
-    original = bench._Runner.generate
+    monkeypatch.setattr(harness, "synchronizer_for", lambda device: (lambda: log.append("sync")))
+    original = harness._Runner.generate
 
     def generate(self):
         log.append("call")
         return original(self)
 
-    monkeypatch.setattr(bench._Runner, "generate", generate)
-    config = bench.BenchConfig(new_tokens=3, warmup=2, runs=3)
-    result = bench.run(config, clock=fake_clock)
+    monkeypatch.setattr(harness._Runner, "generate", generate)
+    config = harness.BenchConfig(new_tokens=3, warmup=2, runs=3)
+    result = harness.run(config, clock=fake_clock)
     # warmup calls are not timed; each measured run: sync, clock, generate, sync, clock
     assert log == ["call"] * 2 + ["sync", "clock", "call", "sync", "clock"] * 3
     assert [s["elapsed_s"] for s in result["samples"]] == [0.25] * 3
@@ -179,8 +238,8 @@ def test_each_measured_run_is_one_synchronized_generate_between_two_clock_reads(
     ],
 )
 def test_invalid_counts_raise(changes, message):
-    with pytest.raises(bench.BenchUsageError, match=message):
-        bench.BenchConfig(**changes).validate()
+    with pytest.raises(harness.BenchUsageError, match=message):
+        harness.BenchConfig(**changes).validate()
 
 
 @pytest.mark.parametrize(
@@ -193,14 +252,14 @@ def test_invalid_counts_raise(changes, message):
     ],
 )
 def test_invalid_lengths_raise(prompt, new, positions, message):
-    with pytest.raises(bench.BenchUsageError, match=message):
-        bench.check_lengths(prompt, new, positions)
+    with pytest.raises(harness.BenchUsageError, match=message):
+        harness.check_lengths(prompt, new, positions)
 
 
 def test_lengths_that_fit_exactly_are_accepted():
-    bench.check_lengths(2048, 1, 2048)
-    bench.check_lengths(4, 2045, 2048)  # positions 0..2047 are fed
-    bench.check_lengths(10_000, 10, None)  # no position limit known (relative positions)
+    harness.check_lengths(2048, 1, 2048)
+    harness.check_lengths(4, 2045, 2048)  # positions 0..2047 are fed
+    harness.check_lengths(10_000, 10, None)  # no position limit known (relative positions)
 
 
 @pytest.mark.parametrize(
@@ -209,12 +268,12 @@ def test_lengths_that_fit_exactly_are_accepted():
 )
 def test_invalid_samples_raise(elapsed, counts, message):
     with pytest.raises(ValueError, match=message):
-        bench.make_sample(elapsed, counts)
+        stats.make_sample(elapsed, counts)
 
 
 def test_no_samples_cannot_be_summarized():
     with pytest.raises(ValueError, match="at least one measured run"):
-        bench.summarize([])
+        stats.summarize([])
 
 
 @pytest.mark.parametrize(
@@ -261,6 +320,122 @@ def test_plot_without_matplotlib_exits_2(monkeypatch, tmp_path, capsys):
     assert not plot.exists()
 
 
+def test_bench_with_an_unknown_option_prints_the_bench_usage(capsys):
+    assert main(["bench", "--bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: otel-generate bench ")
+    assert "--new-tokens N" in err  # bench's own options, not the top-level COMMAND list
+    assert "otel-generate bench: error: unrecognized arguments: --bogus" in err
+    assert main(["bench", "--runs", "1", "--bogus", "x"]) == 2
+    assert "otel-generate bench: error: unrecognized arguments: --bogus x" in capsys.readouterr().err
+    # the top level still answers for itself
+    assert main(["nonsense"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: otel-generate ") and "invalid choice" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--exporter", "otlp-encode"], "--exporter applies to the instrumented runs of --compare; add --compare"),
+        (["--max-step-spans", "3"], "--max-step-spans applies to the instrumented runs of --compare; add --compare"),
+        (["--compare", "--max-step-spans", "-1"], "--max-step-spans must be 0 or more"),
+        (["--compare", "--exporter", "zipkin"], "invalid choice"),
+    ],
+)
+def test_compare_options_without_compare_or_out_of_range_exit_2(tmp_path, capsys, argv, message):
+    out = tmp_path / "out.json"
+    assert run_cli(*argv, "--output", str(out)) == 2
+    err = capsys.readouterr().err
+    assert message in err and "otel-generate bench: error:" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "module, argv, message",
+    [
+        ("opentelemetry.sdk", ["--compare"], "--compare needs the OpenTelemetry SDK"),
+        ("opentelemetry.exporter.otlp.proto.common", ["--compare", "--exporter", "otlp-encode"],
+         "--exporter otlp-encode needs opentelemetry-exporter-otlp-proto-common"),
+    ],
+)
+def test_compare_without_its_packages_exits_2(monkeypatch, tmp_path, capsys, module, argv, message):
+    monkeypatch.setitem(sys.modules, module, None)  # import -> ImportError
+    out = tmp_path / "out.json"
+    assert run_cli(*argv, "--output", str(out)) == 2
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- the load average ---------------------------------------------------------------------------------
+
+
+def _fake_load(monkeypatch, load, cores=2, age=600.0):
+    readings = []
+
+    def getloadavg():
+        readings.append(load)
+        return load
+
+    monkeypatch.setattr(os, "getloadavg", getloadavg)
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(harness, "process_age_s", lambda: age)
+    return readings
+
+
+def test_a_busy_machine_is_warned_about_and_every_reading_is_recorded(monkeypatch, tmp_path, capsys):
+    calls = _fake_load(monkeypatch, (6.0, 5.0, 4.0))
+    out = tmp_path / "out.json"
+    assert run_cli(*FAST, "--output", str(out)) == 0
+    doc = json.loads(out.read_text())
+    load = doc["load"]
+    # before the model, after the warmup, after each of the 2 runs, at the end
+    assert [r["at"] for r in load["readings"]] == ["start", "after warmup", "run 1", "run 2", "end"]
+    assert len(calls) == 5
+    assert all((r["load_1m"], r["load_5m"], r["load_15m"]) == (6.0, 5.0, 4.0) for r in load["readings"])
+    assert (load["cores"], load["own_threads"], load["limit_per_core"]) == (2, 1, 0.5)
+    for r in load["readings"]:  # the bench's own thread, counted in as the 1-minute average takes it up
+        assert r["own_estimate"] == pytest.approx(1 - math.exp(-r["bench_age_s"] / 60))
+        assert r["other_per_core"] == pytest.approx((6.0 - r["own_estimate"]) / 2)
+    assert load["max_other_per_core"] == max(r["other_per_core"] for r in load["readings"]) > 2.4
+    assert load["busy"] is True
+    assert doc["warnings"] == [load["warning"]] and "the machine was busy" in load["warning"]
+    err = capsys.readouterr().err
+    assert err.startswith("WARNING: the machine was busy: 1-minute load average 6.00")
+    assert "on 2 core(s)" in err
+
+
+def test_a_quiet_machine_gets_no_warning(monkeypatch, tmp_path, capsys):
+    _fake_load(monkeypatch, (0.4, 0.3, 0.2))
+    assert run_cli(*FAST, "--output", "-") == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["load"]["busy"] is False and doc["load"]["warning"] is None and doc["warnings"] == []
+    assert "WARNING" not in captured.err
+
+
+def test_the_bench_own_threads_do_not_make_the_machine_busy(monkeypatch, capsys):
+    # 1.9 on 2 cores is 0.95 per core, but the bench's own busy thread accounts for about 1 of it
+    _fake_load(monkeypatch, (1.9, 1.0, 0.5), cores=2, age=600.0)
+    assert run_cli(*FAST, "--output", "-") == 0
+    load = json.loads(capsys.readouterr().out)["load"]
+    assert load["busy"] is False and load["max_other_per_core"] == pytest.approx(0.45, abs=1e-3)
+    # with 2 torch threads of its own, 2.9 on 2 cores is still not busy; 4.0 is
+    _fake_load(monkeypatch, (2.9, 1.0, 0.5), cores=2, age=600.0)
+    assert run_cli(*FAST, "--threads", "2", "--output", "-") == 0
+    assert json.loads(capsys.readouterr().out)["load"]["busy"] is False
+    _fake_load(monkeypatch, (4.0, 1.0, 0.5), cores=2, age=600.0)
+    assert run_cli(*FAST, "--threads", "2", "--output", "-") == 0
+    assert json.loads(capsys.readouterr().out)["load"]["busy"] is True
+
+
+def test_without_getloadavg_there_is_no_verdict(monkeypatch, capsys):
+    monkeypatch.delattr(os, "getloadavg")
+    assert run_cli(*FAST, "--output", "-") == 0
+    load = json.loads(capsys.readouterr().out)["load"]
+    assert load["readings"] == [] and load["busy"] is None and load["warning"] is None
+
+
 # --- CPU never touches CUDA ---------------------------------------------------------------------------
 
 
@@ -281,7 +456,7 @@ def test_cpu_run_never_calls_a_cuda_function(monkeypatch, tmp_path):
 
 
 def test_three_new_tokens_are_counted_and_the_rate_is_tokens_over_elapsed():
-    result = bench.run(bench.BenchConfig(new_tokens=3, warmup=0, runs=2))
+    result = harness.run(harness.BenchConfig(new_tokens=3, warmup=0, runs=2))
     for sample in result["samples"]:
         assert sample["new_tokens"] == 3 and sample["new_tokens_per_sequence"] == [3]
         assert sample["tokens_per_s"] == sample["new_tokens"] / sample["elapsed_s"]
@@ -315,7 +490,7 @@ def test_batch_of_two_with_one_row_ending_early_counts_each_row():
     expected = [new, new]
     expected[row] = first_index(rows[row], token) + 1
     assert rows[1 - row][-1] != PAD_TOKEN_ID  # the full row does not end in what looks like padding
-    result = bench.run(bench.BenchConfig(new_tokens=new, warmup=0, runs=2, batch_size=2, eos=str(token)))
+    result = harness.run(harness.BenchConfig(new_tokens=new, warmup=0, runs=2, batch_size=2, eos=str(token)))
     for sample in result["samples"]:
         assert sample["new_tokens_per_sequence"] == expected
         assert sample["new_tokens"] == sum(expected)
@@ -323,55 +498,119 @@ def test_batch_of_two_with_one_row_ending_early_counts_each_row():
 
 
 def test_counting_matches_count_new_tokens_on_the_returned_tensor():
-    config = bench.BenchConfig(new_tokens=5, batch_size=2, eos="model")
-    runner = bench._Runner(config, "cpu")
+    config = harness.BenchConfig(new_tokens=5, batch_size=2, eos="model")
+    runner = harness._Runner(config, "cpu")
     out = runner.generate()
     assert runner.counts(out) == count_new_tokens(out, 4, [runner.model.generation_config.eos_token_id], PAD_TOKEN_ID)
 
 
 def test_eos_without_id_uses_the_model_eos():
     model = build_model("gpt2")
-    assert bench.resolve_eos(bench.BenchConfig(eos="model"), model) == [model.generation_config.eos_token_id]
-    assert bench.resolve_eos(bench.BenchConfig(), model) is None
-    with pytest.raises(bench.BenchUsageError, match="outside the model's vocabulary"):
-        bench.resolve_eos(bench.BenchConfig(eos="100000"), model)
+    assert harness.resolve_eos(harness.BenchConfig(eos="model"), model) == [model.generation_config.eos_token_id]
+    assert harness.resolve_eos(harness.BenchConfig(), model) is None
+    with pytest.raises(harness.BenchUsageError, match="outside the model's vocabulary"):
+        harness.resolve_eos(harness.BenchConfig(eos="100000"), model)
 
 
 def test_prompt_avoids_special_tokens_and_is_seeded():
     model = build_model("gpt2")
-    a = bench.make_inputs(model, 3, 50, seed=1)
-    b = bench.make_inputs(model, 3, 50, seed=1)
+    a = harness.make_inputs(model, 3, 50, seed=1)
+    b = harness.make_inputs(model, 3, 50, seed=1)
     assert torch.equal(a["input_ids"], b["input_ids"]) and a["input_ids"].shape == (3, 50)
     assert torch.equal(a["attention_mask"], torch.ones(3, 50, dtype=torch.long))
-    specials = set(bench.special_token_ids(model))
+    specials = set(harness.special_token_ids(model))
     assert specials >= {0, 127} and not (set(a["input_ids"].flatten().tolist()) & specials)
 
 
 # --- plot ----------------------------------------------------------------------------------------------
 
 
-def test_plot_writes_a_matplotlib_png_of_every_run(tmp_path, monkeypatch, capsys):
+def _quartiles(values):
+    """[25th, 75th percentile] by numpy (linear interpolation), independent of the bench's own percentile."""
+    return [float(v) for v in numpy.percentile(numpy.asarray(values, dtype=float), [25, 75])]
+
+
+def test_plot_draws_the_median_and_interquartile_band_per_token_index_with_prefill_marked(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from matplotlib.axes import Axes
 
-    calls = []
-    original = Axes.plot
+    calls = {"plot": [], "fill_between": [], "errorbar": []}
+    for name in calls:
+        original = getattr(Axes, name)
 
-    def spy(self, *args, **kwargs):
-        calls.append((list(args[0]), list(args[1]), kwargs))
-        return original(self, *args, **kwargs)
+        def spy(self, *args, _name=name, _original=original, **kwargs):
+            calls[_name].append((args, kwargs))
+            return _original(self, *args, **kwargs)
 
-    monkeypatch.setattr(Axes, "plot", spy)
+        monkeypatch.setattr(Axes, name, spy)
     plot, out = tmp_path / "latency.png", tmp_path / "out.json"
-    assert run_cli("--new-tokens", "6", "--runs", "2", "--warmup", "0", "--plot", str(plot), "--output", str(out)) == 0
+    assert run_cli("--new-tokens", "6", "--runs", "3", "--warmup", "0", "--plot", str(plot), "--output", str(out)) == 0
     data = plot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert b"Matplotlib" in data  # matplotlib's Software text chunk
     samples = json.loads(out.read_text())["samples"]
-    lines = [c for c in calls if c[2].get("marker") is None]
-    marks = [c for c in calls if c[2].get("marker") == "o"]
-    assert [(x, y) for x, y, _ in lines] == [(list(range(6)), s["step_latencies_ms"]) for s in samples]
-    assert [(x, y) for x, y, _ in marks] == [([0], [s["step_latencies_ms"][0]]) for s in samples]  # first token marked
+    per_index = numpy.array([s["step_latencies_ms"] for s in samples])  # runs x token index
+    assert per_index.shape == (3, 6)
+    # one median line (not one line per run)
+    assert len(calls["plot"]) == 1
+    (xs, ys), _ = calls["plot"][0]
+    assert list(xs) == list(range(6))
+    assert list(ys) == pytest.approx(list(numpy.median(per_index, axis=0)))
+    # the interquartile band
+    assert len(calls["fill_between"]) == 1
+    (xs, low, high), _ = calls["fill_between"][0]
+    assert list(xs) == list(range(6))
+    assert list(low) == pytest.approx([_quartiles(per_index[:, i])[0] for i in range(6)])
+    assert list(high) == pytest.approx([_quartiles(per_index[:, i])[1] for i in range(6)])
+    # the prefill step (token 0) marked with its median and interquartile range
+    assert len(calls["errorbar"]) == 1
+    (x, y), kwargs = calls["errorbar"][0]
+    first = per_index[:, 0]
+    q1, q3 = _quartiles(first)
+    assert list(x) == [0] and list(y) == pytest.approx([numpy.median(first)])
+    median = numpy.median(first)
+    assert [kwargs["yerr"][0][0], kwargs["yerr"][1][0]] == pytest.approx([median - q1, q3 - median])
+    assert "prefill" in kwargs["label"]
+
+
+def test_per_token_index_groups_runs_of_different_lengths():
+    samples = [
+        {"step_latencies_ms": [10.0, 1.0, 2.0], "step_tokens": [1, 1, 1]},
+        {"step_latencies_ms": [12.0, 3.0], "step_tokens": [1, 1]},  # stopped early
+        {"step_latencies_ms": [11.0, 5.0, 4.0], "step_tokens": [1, 1, 1]},
+        {"step_latencies_ms": [], "step_tokens": []},  # a run the instrumentation did not see
+    ]
+    rows = stats.per_token_index(samples)
+    assert [r["token_index"] for r in rows] == [0, 1, 2]
+    assert [r["runs"] for r in rows] == [3, 3, 2]
+    for row, values in zip(rows, ([10.0, 12.0, 11.0], [1.0, 3.0, 5.0], [2.0, 4.0])):
+        assert row["median_ms"] == pytest.approx(float(numpy.median(values)))
+        assert [row["q1_ms"], row["q3_ms"]] == pytest.approx(_quartiles(values))
+    # a step that appended two tokens (assisted decoding) moves the next step's index by two
+    rows = stats.per_token_index([{"step_latencies_ms": [5.0, 1.0, 1.0], "step_tokens": [1, 2, 1]}])
+    assert [r["token_index"] for r in rows] == [0, 1, 3]
+
+
+@pytest.mark.parametrize("extension, magic", [("svg", b"<svg"), ("pdf", b"%PDF-"), ("PNG", b"\x89PNG")])
+def test_plot_is_written_in_the_format_its_extension_names(tmp_path, extension, magic):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / f"latency.{extension}"
+    assert run_cli("--new-tokens", "3", "--runs", "2", "--warmup", "0", "--plot", str(plot)) == 0
+    data = plot.read_bytes()
+    assert magic in data[:400]
+    assert list(tmp_path.iterdir()) == [plot]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("name", ["latency.jpg", "latency.jpeg", "latency", "latency.png.txt"])
+def test_unsupported_plot_extension_exits_2_and_writes_nothing(tmp_path, capsys, monkeypatch, name):
+    ran = []
+    monkeypatch.setattr(harness, "measure", lambda *a, **k: ran.append(1))
+    plot, out = tmp_path / name, tmp_path / "out.json"
+    assert run_cli("--plot", str(plot), "--output", str(out)) == 2
+    err = capsys.readouterr().err
+    assert "otel-generate bench: error:" in err and "unsupported file extension" in err
+    assert ".png, .svg, .pdf" in err
+    assert ran == [] and list(tmp_path.iterdir()) == []  # refused before running, nothing written
 
 
 # --- --compare ----------------------------------------------------------------------------------------
@@ -379,14 +618,14 @@ def test_plot_writes_a_matplotlib_png_of_every_run(tmp_path, monkeypatch, capsys
 
 def test_compare_interleaves_plain_and_instrumented_and_reports_paired_numbers(monkeypatch):
     instrumented_at_call = []
-    original = bench._Runner.timed
+    original = harness._Runner.timed
 
     def timed(self):
         instrumented_at_call.append(GenerateInstrumentor().is_instrumented_by_opentelemetry)
         return original(self)
 
-    monkeypatch.setattr(bench._Runner, "timed", timed)
-    result = bench.run(bench.BenchConfig(new_tokens=4, warmup=1, runs=3, compare=True))
+    monkeypatch.setattr(harness._Runner, "timed", timed)
+    result = harness.run(harness.BenchConfig(new_tokens=4, warmup=1, runs=3, compare=True))
     cmp = result["compare"]
     # measured runs (profiler: instrumented), then compare: warmup pair, then 3 pairs, A B A B
     assert instrumented_at_call[3:] == [False, True] * 4
@@ -401,6 +640,138 @@ def test_compare_interleaves_plain_and_instrumented_and_reports_paired_numbers(m
     assert cmp["spans_exported"] == cmp["spans_expected"] == 3 * (1 + 4)
     assert cmp["outputs_identical"] is True
     assert not GenerateInstrumentor().is_instrumented_by_opentelemetry  # left as found
+
+
+def test_headline_and_compare_say_which_runs_they_describe(tmp_path, capsys):
+    out = tmp_path / "out.json"
+    assert run_cli(*FAST, "--compare", "--output", str(out)) == 0
+    doc = json.loads(out.read_text())
+    assert "profiled runs" in doc["measured_runs"] and "per-step hook" in doc["measured_runs"]
+    assert "separate from the measured (profiled) runs" in doc["compare"]["runs"]
+    err = capsys.readouterr().err
+    assert "measured runs (2, profiled: per-step hook on" in err
+    assert "compare: 2 pairs of runs of their own (not the measured runs above)" in err
+    # the plain side's throughput is reported from the plain runs themselves
+    cmp = doc["compare"]
+    assert cmp["plain_tokens_per_s"] == [3 / a for a in cmp["plain_elapsed_s"]]
+
+
+def test_compare_finishes_deferred_work_after_each_instrumented_call_and_charges_it(monkeypatch):
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.trace import TracerProvider
+
+    log = []
+    original_timed = harness._Runner.timed
+    original_trace_flush, original_meter_flush = TracerProvider.force_flush, MeterProvider.force_flush
+
+    def timed(self):
+        log.append("instrumented" if GenerateInstrumentor().is_instrumented_by_opentelemetry else "plain")
+        return original_timed(self)
+
+    def trace_flush(self, *a, **k):
+        log.append("trace flush")
+        return original_trace_flush(self, *a, **k)
+
+    def meter_flush(self, *a, **k):
+        log.append("meter flush")
+        return original_meter_flush(self, *a, **k)
+
+    monkeypatch.setattr(harness._Runner, "timed", timed)
+    monkeypatch.setattr(TracerProvider, "force_flush", trace_flush)
+    monkeypatch.setattr(MeterProvider, "force_flush", meter_flush)
+    now = [0.0]
+
+    def fake_clock():  # every read advances 0.25 s: each timed call and each flush "takes" 0.25 s
+        now[0] += 0.25
+        return now[0]
+
+    result = harness.run(harness.BenchConfig(new_tokens=4, warmup=1, runs=3, compare=True), clock=fake_clock)
+    cmp = result["compare"]
+    # after the 3 measured (profiled) runs: 1 warmup pair and 3 pairs; the flushes come right after
+    # each instrumented call, before the next plain call's timer starts
+    pair = ["plain", "instrumented", "trace flush", "meter flush"]
+    assert log[3:] == pair * 4
+    assert cmp["plain_elapsed_s"] == cmp["instrumented_elapsed_s"] == [0.25] * 3
+    assert cmp["deferred_trace_flush_s"] == cmp["deferred_metric_flush_s"] == [0.25] * 3
+    assert cmp["instrumented_deferred_s"] == [0.5] * 3
+    assert cmp["paired_ratios"] == [1.0] * 3  # caller-visible
+    assert cmp["paired_ratios_with_deferred"] == [3.0] * 3  # (0.25 + 0.5) / 0.25
+    assert cmp["median_paired_ratio_with_deferred"] == 3.0 and cmp["iqr_paired_ratio_with_deferred"] == [3.0, 3.0]
+    assert cmp["added_us_per_step_with_deferred"] == [0.5 / 4 * 1e6] * 3
+    assert cmp["median_instrumented_deferred_s"] == 0.5 and cmp["flushes_complete"] is True
+
+
+def test_compare_each_flush_exports_its_own_run_before_the_next_one():
+    result = harness.run(harness.BenchConfig(new_tokens=4, warmup=1, runs=3, compare=True))
+    cmp = result["compare"]
+    # the flush after each instrumented call exported that call's request span and 4 step spans
+    assert cmp["spans_exported_after_each_flush"] == [5, 10, 15]
+    assert cmp["paired_ratios_with_deferred"] == [
+        (b + t + m) / a
+        for a, b, t, m in zip(
+            cmp["plain_elapsed_s"], cmp["instrumented_elapsed_s"], cmp["deferred_trace_flush_s"],
+            cmp["deferred_metric_flush_s"],
+        )
+    ]
+    assert all(d >= 0 for d in cmp["instrumented_deferred_s"])
+    assert cmp["exporter"] == "discard" and cmp["exported_bytes"] is None and cmp["exported_metric_bytes"] is None
+
+
+def test_otlp_encode_exporter_really_encodes_every_span_as_otlp_protobuf(monkeypatch, capsys):
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    span_payloads, metric_payloads = [], []
+    encode_spans, encode_metrics = harness.encode_spans_request, harness.encode_metrics_request
+
+    def spy_spans(spans):
+        message = encode_spans(spans)
+        span_payloads.append(message.SerializeToString())
+        return message
+
+    def spy_metrics(data):
+        message = encode_metrics(data)
+        metric_payloads.append(message.SerializeToString())
+        return message
+
+    monkeypatch.setattr(harness, "encode_spans_request", spy_spans)
+    monkeypatch.setattr(harness, "encode_metrics_request", spy_metrics)
+    argv = ["--new-tokens", "3", "--runs", "2", "--warmup", "0", "--compare", "--exporter", "otlp-encode"]
+    assert run_cli(*argv, "--output", "-") == 0
+    captured = capsys.readouterr()
+    cmp = json.loads(captured.out)["compare"]
+    assert cmp["exporter"] == "otlp-encode"
+    # the bytes counted are the bytes of real OTLP requests, holding every exported span
+    assert span_payloads and cmp["exported_bytes"] == sum(len(p) for p in span_payloads) > 0
+    decoded = [ExportTraceServiceRequest.FromString(p) for p in span_payloads]
+    names = [
+        span.name for request in decoded for rs in request.resource_spans for ss in rs.scope_spans for span in ss.spans
+    ]
+    assert len(names) == cmp["spans_exported"] == cmp["spans_expected"] == 2 * (1 + 3)
+    requests = [n for n in names if n.startswith(A.OPERATION_TEXT_COMPLETION + " ")]
+    assert len(requests) == 2  # one request span per instrumented call
+    assert sorted(n for n in names if n not in requests) == [A.STEP_SPAN_DECODE] * 4 + [A.STEP_SPAN_PREFILL] * 2
+    # and the metrics, once per instrumented call
+    assert len(metric_payloads) == 2 and cmp["exported_metric_bytes"] == sum(len(p) for p in metric_payloads) > 0
+    metric_names = {
+        m.name
+        for request in map(ExportMetricsServiceRequest.FromString, metric_payloads)
+        for rm in request.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+    }
+    assert {A.METRIC_REQUEST_DURATION, A.METRIC_TIME_TO_FIRST_TOKEN, A.METRIC_TOKEN_USAGE} <= metric_names
+    assert f"{cmp['exported_bytes']:,} OTLP bytes encoded and discarded" in captured.err
+
+
+def test_max_step_spans_is_passed_to_the_instrumented_runs(capsys):
+    assert run_cli("--new-tokens", "4", "--runs", "2", "--warmup", "0", "--compare", "--max-step-spans", "1",
+                   "--output", "-") == 0
+    cmp = json.loads(capsys.readouterr().out)["compare"]
+    assert cmp["max_step_spans"] == 1 and "max_step_spans=1" in cmp["instrumented"]
+    assert cmp["spans_exported"] == cmp["spans_expected"] == 2 * (1 + 1)  # the request span and one step span
+    assert run_cli("--new-tokens", "4", "--runs", "1", "--warmup", "0", "--compare", "--max-step-spans", "0",
+                   "--output", "-") == 0
+    cmp = json.loads(capsys.readouterr().out)["compare"]
+    assert cmp["spans_exported"] == cmp["spans_expected"] == 1
 
 
 def test_compare_refuses_when_generate_is_already_instrumented(instrumented, tmp_path, capsys):
@@ -444,6 +815,32 @@ def test_console_script_runs_and_exits_2_on_bad_input():
     assert bad.returncode == 2 and "--runs must be at least 1" in bad.stderr and bad.stdout == ""
 
 
+def test_the_instrumentation_core_never_imports_the_bench():
+    code = """
+import pkgutil, sys, importlib
+import otel_generate
+core = sorted(m.name for m in pkgutil.iter_modules(otel_generate.__path__, "otel_generate.")
+              if m.name not in ("otel_generate.bench", "otel_generate.__main__"))
+for name in core:
+    importlib.import_module(name)
+import torch, transformers
+from otel_generate import GenerateInstrumentor, TokenLatencyProfiler
+config = transformers.GPT2Config(vocab_size=16, n_positions=16, n_embd=8, n_layer=1, n_head=1)
+model = transformers.GPT2LMHeadModel(config).eval()
+with TokenLatencyProfiler() as profiler:  # the core at work: instrument, generate, record, uninstrument
+    model.generate(torch.tensor([[1, 2]]), attention_mask=torch.ones(1, 2, dtype=torch.long),
+                   max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+assert len(profiler.records) == 1 and profiler.records[0].output_tokens == 2
+bench = sorted(m for m in sys.modules if m == "otel_generate.bench" or m.startswith("otel_generate.bench."))
+print(len(core), bench)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    count, loaded = proc.stdout.split(maxsplit=1)
+    assert int(count) >= 10  # every core module was imported
+    assert loaded.strip() == "[]"
+
+
 # --- the step-hook microbenchmark -----------------------------------------------------------------------
 
 
@@ -481,15 +878,15 @@ def test_model_config_builds_random_weights_of_that_architecture(tmp_path):
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(TINY_LLAMA))
-    result = bench.run(bench.BenchConfig(model_config=str(tmp_path), new_tokens=3, warmup=0, runs=1))
+    result = harness.run(harness.BenchConfig(model_config=str(tmp_path), new_tokens=3, warmup=0, runs=1))
     data = dict(TINY_LLAMA)
     reference = transformers.LlamaForCausalLM(transformers.AutoConfig.for_model(data.pop("model_type"), **data))
     assert result["model"].startswith("LlamaForCausalLM (random weights")
     assert result["parameters"] == sum(p.numel() for p in reference.parameters())
     assert [s["new_tokens"] for s in result["samples"]] == [3]
     # its 32 positions are enforced
-    with pytest.raises(bench.BenchUsageError, match="longer than the model's 32 positions"):
-        bench.run(bench.BenchConfig(model_config=str(path), prompt_tokens=40, warmup=0, runs=1))
+    with pytest.raises(harness.BenchUsageError, match="longer than the model's 32 positions"):
+        harness.run(harness.BenchConfig(model_config=str(path), prompt_tokens=40, warmup=0, runs=1))
 
 
 def test_model_config_that_is_not_a_config_exits_2(tmp_path, capsys):

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from otel_generate.models import build_model
+from otel_generate.bench.models import build_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 APP = ROOT / "examples" / "app.py"

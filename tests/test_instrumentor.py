@@ -19,7 +19,7 @@ from transformers.generation.utils import GenerationMixin
 
 from otel_generate import GenerateInstrumentor
 from otel_generate import attributes as A
-from otel_generate.models import EOS_TOKEN_ID, PAD_TOKEN_ID
+from otel_generate.bench.models import EOS_TOKEN_ID, PAD_TOKEN_ID
 from otel_generate.tokens import count_new_tokens
 
 from conftest import prompt, request_spans, step_spans, uninstrumented_generate
@@ -428,7 +428,7 @@ def test_model_overriding_generate_and_calling_super_gives_one_span(instrumented
 
 
 def test_assistant_model_generate_is_not_a_request_of_its_own(instrumented, span_exporter, gpt2):
-    from otel_generate.models import build_model
+    from otel_generate.bench.models import build_model
 
     assistant = build_model("gpt2", seed=1)
     ids, mask = prompt(seed=15)
@@ -642,7 +642,7 @@ def test_row_stopped_by_a_criterion_with_pad_equal_to_eos(instrumented, span_exp
 
 
 def test_another_models_generate_inside_a_request_is_its_own_request(instrumented, span_exporter, gpt2):
-    from otel_generate.models import build_model
+    from otel_generate.bench.models import build_model
 
     guard = build_model("gpt2", seed=2)
     calls = []

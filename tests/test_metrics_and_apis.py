@@ -16,7 +16,7 @@ from transformers.generation.utils import GenerationMixin
 
 from otel_generate import GenerateInstrumentor, TokenLatencyProfiler
 from otel_generate import attributes as A
-from otel_generate.models import EOS_TOKEN_ID, PAD_TOKEN_ID
+from otel_generate.bench.models import EOS_TOKEN_ID, PAD_TOKEN_ID
 from otel_generate.tokens import count_new_tokens
 
 from conftest import prompt, request_spans, step_spans, uninstrumented_generate
@@ -299,7 +299,7 @@ def test_profiler_with_only_the_api_installed(tmp_path):
         sys.meta_path.insert(0, NoSdk())
         import json, torch
         from otel_generate import TokenLatencyProfiler
-        from otel_generate.models import build_model
+        from otel_generate.bench.models import build_model
 
         model = build_model("gpt2")
         ids = torch.tensor([[5, 6, 7, 8]])

@@ -7,7 +7,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from otel_generate import attributes as A
-from otel_generate.models import EOS_TOKEN_ID
+from otel_generate.bench.models import EOS_TOKEN_ID
 
 from conftest import prompt, request_spans, step_spans, uninstrumented_generate
 

@@ -58,7 +58,7 @@ from otel_generate import GenerateInstrumentor, _faults, clock
 from otel_generate.integrations import generate_loop
 from otel_generate.integrations import step_hook as _recorder
 from otel_generate import attributes as A
-from otel_generate.models import build_model
+from otel_generate.bench.models import build_model
 
 from conftest import console_spans, prompt, request_spans, step_spans, uninstrumented_generate
 
@@ -643,7 +643,7 @@ import sys
 import torch
 from opentelemetry import trace
 from otel_generate import GenerateInstrumentor
-from otel_generate.models import build_model
+from otel_generate.bench.models import build_model
 
 torch.set_num_threads(1)
 GenerateInstrumentor().instrument(max_step_spans=2)  # the application's own manual call

@@ -248,7 +248,7 @@ class GenerateCall:
         # The recorder's fault callback is bound to this call, and the exception's traceback holds the
         # wrapper's frame (reference cycles): drop both, so the call (prompt tensors, the caller's
         # kwargs) is freed when generate() returns, not at a later gc.
-        self.recorder = None
+        self.recorder = self.criteria = None
         request.error = None
         return result
 

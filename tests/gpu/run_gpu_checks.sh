@@ -83,11 +83,16 @@ print(f"prompt {doc['prompt_tokens']}, new tokens {doc['new_tokens_requested']},
       f"warmup {doc['warmup']}, runs {doc['runs']}")
 print(f"median elapsed {doc['median_elapsed_s'] * 1e3:.3f} ms, {doc['median_tokens_per_s']:.1f} tokens/s, "
       f"TTFT {doc['median_time_to_first_token_ms']:.3f} ms, TPOT {doc['median_time_per_output_token_ms']:.3f} ms")
-print(f"compare ({c['pairs']} pairs A B A B): median paired ratio instrumented/plain {c['median_paired_ratio']:.4f}, "
-      f"added {c['median_added_us_per_step']:.1f} us/step; plain {c['median_plain_elapsed_s'] * 1e3:.3f} ms, "
+iqr, iqr_d = c["iqr_paired_ratio"], c["iqr_paired_ratio_with_deferred"]
+print(f"compare ({c['pairs']} pairs A B A B): median paired ratio instrumented/plain {c['median_paired_ratio']:.4f} "
+      f"(IQR {iqr[0]:.4f} to {iqr[1]:.4f}), with deferred work {c['median_paired_ratio_with_deferred']:.4f} "
+      f"(IQR {iqr_d[0]:.4f} to {iqr_d[1]:.4f}), exporter {c['exporter']}")
+print(f"added {c['median_added_us_per_step']:.1f} us/step; plain {c['median_plain_elapsed_s'] * 1e3:.3f} ms, "
       f"instrumented {c['median_instrumented_elapsed_s'] * 1e3:.3f} ms; spans {c['spans_exported']}/{c['spans_expected']}; "
       f"outputs identical {c['outputs_identical']}")
 print("paired ratios:", ", ".join(f"{r:.4f}" for r in c["paired_ratios"]))
+for w in doc.get("warnings", []):
+    print("WARNING:", w)
 EOF
 }
 

@@ -57,7 +57,7 @@ SPAN_TOLERANCE = 0.02  # sum of step latencies vs request span duration, relativ
 def llama_1b():
     import transformers
 
-    from otel_generate.models import dtype_keyword
+    from otel_generate.bench.models import dtype_keyword
 
     data = dict(LLAMA_1B_CONFIG)
     config = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
@@ -162,12 +162,12 @@ def test_step_latencies_add_up_to_the_request_span(llama_1b, instrumented, span_
 
 
 def test_bench_on_cuda_synchronizes_around_every_timed_call(monkeypatch):
-    from otel_generate import bench
+    from otel_generate.bench import harness
 
     calls = []
     real_synchronize = torch.cuda.synchronize
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: (calls.append(a), real_synchronize(*a, **k)))
-    result = bench.run(bench.BenchConfig(device="cuda", new_tokens=8, warmup=1, runs=2))
+    result = harness.run(harness.BenchConfig(device="cuda", new_tokens=8, warmup=1, runs=2))
     assert result["device"].startswith("cuda") and result["machine"]["gpu"]
     assert [s["new_tokens"] for s in result["samples"]] == [8, 8]
     # per measured run: 2 by the harness (before and after), and the instrumentation's per step

@@ -1,6 +1,6 @@
-"""``otel-generate bench``: honest tokens per second, and what the instrumentation costs.
+"""The bench harness: configuration, the measured runs, ``--compare``, and the result document.
 
-One command times ``generate()`` on a device and keeps every sample:
+``otel-generate bench`` times ``generate()`` on a device and keeps every sample:
 
 * the model is built (or loaded) and placed on the device **before** warmup; warmup runs are
   not measured;
@@ -12,13 +12,23 @@ One command times ``generate()`` on a device and keeps every sample:
   :func:`otel_generate.tokens.count_new_tokens` (per sequence, minus the prompt, up to and
   including the first EOS, never padding), so a model that stops early reports its real count;
 * time to first token and time per output token come from the instrumentation itself
-  (:class:`otel_generate.TokenLatencyProfiler` around the runs).
+  (:class:`otel_generate.TokenLatencyProfiler` around the measured runs: the per-step hook is
+  on in those runs, so they are *profiled* runs, not plain ones);
+* every median comes with its interquartile range (:mod:`otel_generate.bench.stats`);
+* the machine's load average is read before, between and after the runs, and a busy machine
+  is reported (:class:`LoadMonitor`).
 
-``--compare`` measures the instrumentation's cost: plain ``generate()`` (the original
-``GenerationMixin.generate``, uninstrumented) and instrumented ``generate()`` (SDK
-``TracerProvider`` with a ``BatchSpanProcessor`` and an exporter that discards, SDK
-``MeterProvider``) run interleaved A B A B on the same inputs; it reports the median of the
-paired ratios instrumented/plain and the median added microseconds per decode step.
+``--compare`` measures the instrumentation's cost in runs of its own: plain ``generate()``
+(the original ``GenerationMixin.generate``, uninstrumented) and instrumented ``generate()``
+(SDK ``TracerProvider`` with a ``BatchSpanProcessor`` and the ``--exporter``, SDK
+``MeterProvider``) run interleaved A B A B on the same inputs. After each instrumented call the
+work it deferred (the span processor's export, the metric collection) is finished outside any
+timer and charged to that call, so it reports two paired ratios: the caller-visible one and
+the one including deferred work.
+
+A workload is a :class:`_Runner`: a model, its inputs and the one call each run times. Another
+workload (e.g. continuous batching, ``--continuous-batching --requests N``) would be another
+runner with the same ``timed()``/``counts()`` surface.
 
 Units: ``*_s`` keys are seconds, ``*_ms`` milliseconds, ``*_us`` microseconds.
 
@@ -28,26 +38,30 @@ a message on stderr and exit status 2, before anything is written.
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import gc
 import json
+import math
 import os
 import platform
-import statistics
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from otel_generate.bench.plot import MATPLOTLIB_MISSING, PLOT_FORMATS, plot_format
+from otel_generate.bench.stats import iqr_of, make_sample, median_of, summarize
 from otel_generate.clock import synchronizer_for, timed_call
 from otel_generate.tokens import count_new_tokens
 
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("float32", "float16", "bfloat16")
+#: ``--exporter``: ``discard`` counts spans and drops them; ``otlp-encode`` encodes each batch as
+#: an OTLP protobuf request (what a real OTLP exporter sends), counts the bytes, drops them.
+EXPORTERS = ("discard", "otlp-encode")
 #: ``--eos`` given without a value: use the model's own EOS id.
 MODEL_EOS = "model"
+#: A load average above this many runnable tasks per core (besides the bench's own) is "busy".
+LOAD_PER_CORE_LIMIT = 0.5
 
 #: Keys every bench JSON document has (``samples`` entries have at least :data:`SAMPLE_KEYS`).
 RESULT_KEYS = (
@@ -67,8 +81,20 @@ RESULT_KEYS = (
     "median_time_to_first_token_ms",
     "median_time_per_output_token_ms",
 )
+#: The interquartile range of each median in :data:`RESULT_KEYS`: ``[25th, 75th percentile]``, same unit.
+IQR_KEYS = (
+    "iqr_elapsed_s",
+    "iqr_tokens_per_s",
+    "iqr_time_to_first_token_ms",
+    "iqr_time_per_output_token_ms",
+)
 SAMPLE_KEYS = ("elapsed_s", "new_tokens", "tokens_per_s")
 VERSION_KEYS = ("python", "torch", "transformers", "otel_generate")
+
+MEASURED_RUNS = (
+    "profiled runs: generate() inside a TokenLatencyProfiler, so the instrumentation's per-step hook "
+    "(and its device synchronization) is on; spans only if a global SDK tracer provider is set"
+)
 
 
 class BenchUsageError(ValueError):
@@ -82,7 +108,7 @@ class BenchUsageError(ValueError):
 
 @dataclass
 class BenchConfig:
-    """What to run. Lengths are in tokens; see :func:`add_arguments` for each option's meaning."""
+    """What to run. Lengths are in tokens; see :func:`otel_generate.bench.cli.add_arguments` for each option."""
 
     device: str = "cpu"
     model: Optional[str] = None
@@ -99,6 +125,8 @@ class BenchConfig:
     output: Optional[str] = None
     plot: Optional[str] = None
     compare: bool = False
+    exporter: str = "discard"  # --compare's span exporter, one of EXPORTERS
+    max_step_spans: Optional[int] = None  # --compare: instrument(max_step_spans=N); None: the instrumentation's default
     argv: List[str] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -135,6 +163,15 @@ class BenchConfig:
             raise BenchUsageError(f"--model {self.model!r} does not exist or is not a directory")
         if self.model_config is not None and not os.path.exists(self.model_config):
             raise BenchUsageError(f"--model-config {self.model_config!r} does not exist")
+        if self.exporter not in EXPORTERS:
+            raise BenchUsageError(f"--exporter must be one of {', '.join(EXPORTERS)}, got {self.exporter!r}")
+        if self.max_step_spans is not None and self.max_step_spans < 0:
+            raise BenchUsageError(f"--max-step-spans must be 0 or more, got {self.max_step_spans}")
+        if not self.compare:
+            if self.exporter != "discard":
+                raise BenchUsageError("--exporter applies to the instrumented runs of --compare; add --compare")
+            if self.max_step_spans is not None:
+                raise BenchUsageError("--max-step-spans applies to the instrumented runs of --compare; add --compare")
         for option, path in (("--output", self.output), ("--plot", self.plot)):
             if path is None or path == "-" and option == "--output":
                 continue
@@ -146,12 +183,31 @@ class BenchConfig:
             if os.path.isdir(path):
                 raise BenchUsageError(f"{option} {path!r} is a directory")
         if self.plot is not None:
+            if plot_format(self.plot) is None:
+                raise BenchUsageError(
+                    f"--plot {self.plot!r}: unsupported file extension; use one of "
+                    f".{', .'.join(PLOT_FORMATS)} (the file is written in the format its extension names)"
+                )
             try:
                 import matplotlib  # noqa: F401
             except ImportError:
-                raise BenchUsageError(
-                    "--plot needs matplotlib, which is not installed: pip install matplotlib (the package's [plot] extra)"
-                ) from None
+                raise BenchUsageError(MATPLOTLIB_MISSING) from None
+        if self.compare:
+            _require("opentelemetry.sdk", "--compare needs the OpenTelemetry SDK: pip install opentelemetry-sdk "
+                     "(the package's [bench] extra)")
+        if self.exporter == "otlp-encode":
+            _require("opentelemetry.exporter.otlp.proto.common",
+                     "--exporter otlp-encode needs opentelemetry-exporter-otlp-proto-common "
+                     "(the package's [bench] extra)")
+
+
+def _require(module: str, message: str) -> None:
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise BenchUsageError(message) from None
 
 
 def resolve_device(requested: str) -> str:
@@ -230,14 +286,14 @@ def check_lengths(prompt_tokens: int, new_tokens: int, positions: Optional[int])
 def build_bench_model(config: BenchConfig, device: str) -> Any:
     """Build or load the model and place it on ``device`` in ``config.dtype`` (eval mode).
 
-    * default: :func:`otel_generate.models.build_model` ("gpt2", random weights, seeded);
-    * ``--model PATH``: :func:`otel_generate.models.load_model` (local checkpoint directory);
+    * default: :func:`otel_generate.bench.models.build_model` ("gpt2", random weights, seeded);
+    * ``--model PATH``: :func:`otel_generate.bench.models.load_model` (local checkpoint directory);
     * ``--model-config PATH``: random weights for a transformers ``config.json`` (a file, or a
       directory holding one), initialised directly on the device.
     """
     import torch
 
-    from otel_generate.models import build_model, dtype_keyword, load_model
+    from otel_generate.bench.models import build_model, dtype_keyword, load_model
 
     dtype = torch_dtype(config.dtype)
     if config.model is not None:
@@ -363,63 +419,6 @@ def _sequences(output: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
-# Samples and summaries
-# --------------------------------------------------------------------------------------------
-
-
-def make_sample(elapsed_s: float, new_tokens_per_sequence: Sequence[int]) -> Dict[str, Any]:
-    """One measured run: ``{"elapsed_s", "new_tokens", "tokens_per_s", "new_tokens_per_sequence"}``.
-
-    ``new_tokens`` is the sum over the returned sequences; ``tokens_per_s = new_tokens / elapsed_s``.
-
-    Raises:
-        ValueError: a non-positive elapsed time, no sequences, or a negative count.
-    """
-    if not elapsed_s > 0:
-        raise ValueError(f"elapsed_s must be positive, got {elapsed_s!r}")
-    counts = [int(c) for c in new_tokens_per_sequence]
-    if not counts:
-        raise ValueError("a sample needs the new-token count of at least one sequence")
-    if any(c < 0 for c in counts):
-        raise ValueError(f"new-token counts cannot be negative, got {counts}")
-    total = sum(counts)
-    return {
-        "elapsed_s": float(elapsed_s),
-        "new_tokens": total,
-        "tokens_per_s": total / elapsed_s,
-        "new_tokens_per_sequence": counts,
-    }
-
-
-def median_of(values: Sequence[Optional[float]]) -> Optional[float]:
-    """Median of the non-``None`` values, ``None`` when there are none."""
-    present = [float(v) for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
-def summarize(samples: Sequence[Dict[str, Any]]) -> Dict[str, Optional[float]]:
-    """Medians over the samples (elapsed s, tokens/s, TTFT ms, TPOT ms).
-
-    ``median_tokens_per_s`` is the median of the per-run rates (not total tokens / median time).
-
-    Raises:
-        ValueError: on no samples.
-    """
-    if not samples:
-        raise ValueError("no samples to summarize: at least one measured run is needed")
-    return {
-        "median_elapsed_s": median_of([s["elapsed_s"] for s in samples]),
-        "median_tokens_per_s": median_of([s["tokens_per_s"] for s in samples]),
-        "median_time_to_first_token_ms": median_of([s.get("time_to_first_token_ms") for s in samples]),
-        "median_time_per_output_token_ms": median_of([s.get("time_per_output_token_ms") for s in samples]),
-    }
-
-
-def _ms(seconds: Optional[float]) -> Optional[float]:
-    return None if seconds is None else seconds * 1e3
-
-
-# --------------------------------------------------------------------------------------------
 # Environment
 # --------------------------------------------------------------------------------------------
 
@@ -472,6 +471,92 @@ def machine(device: str) -> Dict[str, Any]:
     return info
 
 
+def process_age_s() -> Optional[float]:
+    """Seconds since this process started (``/proc/self/stat`` and ``/proc/uptime``); ``None`` where unknown."""
+    try:
+        with open("/proc/self/stat", encoding="utf-8") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime", encoding="utf-8") as handle:
+            uptime = float(handle.read().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))  # field 22: starttime, in ticks
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class LoadMonitor:
+    """Readings of the machine's load average during a bench, and whether it was busy.
+
+    Each :meth:`read` takes ``os.getloadavg()`` (the 1-, 5- and 15-minute averages of runnable
+    and uninterruptible tasks, machine-wide). The bench reads it before the model is built,
+    after the warmup, after every measured run and every ``--compare`` pair (outside the
+    timers), and at the end.
+
+    The bench's own threads count too: while it runs, it keeps up to ``own_threads`` threads
+    runnable (``--threads``, the torch threads; the span processor's thread works while the
+    calling thread waits for it). The 1-minute average approaches a constant load ``n`` as
+    ``n (1 - exp(-t / 60 s))`` after ``t`` seconds, so each reading subtracts that estimate,
+    with ``t`` the age of this process (the bench counts as busy from its start; from the first
+    reading where ``/proc`` is missing). The machine was **busy** when, at any reading, the load
+    left, divided by the number of cores (``os.cpu_count()``), was above
+    :data:`LOAD_PER_CORE_LIMIT` (0.5). The 1-minute average lags: a neighbour that starts
+    seconds before the end shows up only in part. Where ``os.getloadavg`` does not exist, there
+    are no readings and no verdict.
+    """
+
+    def __init__(self, own_threads: int, cores: Optional[int] = None, clock: Callable[[], float] = time.monotonic):
+        self.own_threads = int(own_threads)
+        self.cores = int(cores or os.cpu_count() or 1)
+        self.clock = clock
+        age = process_age_s()
+        self.age_from = "process start" if age is not None else "first reading"
+        self._origin = clock() - (age or 0.0)
+        self.readings: List[Dict[str, Any]] = []
+
+    def read(self, at: str) -> None:
+        """Take one reading, labelled ``at`` (e.g. ``"start"``, ``"run 3"``, ``"pair 7"``, ``"end"``)."""
+        try:
+            one, five, fifteen = os.getloadavg()
+        except (AttributeError, OSError):
+            return
+        busy_s = self.clock() - self._origin
+        own = self.own_threads * (1.0 - math.exp(-busy_s / 60.0))
+        self.readings.append(
+            {
+                "at": at,
+                "bench_age_s": busy_s,
+                "load_1m": one,
+                "load_5m": five,
+                "load_15m": fifteen,
+                "own_estimate": own,
+                "other_per_core": max(0.0, one - own) / self.cores,
+            }
+        )
+
+    def report(self) -> Dict[str, Any]:
+        """The ``load`` section of the JSON: every reading, the worst one and the verdict."""
+        worst = max(self.readings, key=lambda r: r["other_per_core"], default=None)
+        busy = None if worst is None else worst["other_per_core"] > LOAD_PER_CORE_LIMIT
+        warning = None
+        if busy:
+            warning = (
+                f"the machine was busy: 1-minute load average {worst['load_1m']:.2f} at {worst['at']} on "
+                f"{self.cores} core(s) is {worst['other_per_core']:.2f} per core besides this bench's own "
+                f"(estimated {worst['own_estimate']:.2f}), above {LOAD_PER_CORE_LIMIT} per core; "
+                f"the timings are likely noisy, rerun on a quiet machine"
+            )
+        return {
+            "source": "os.getloadavg() (1-, 5-, 15-minute averages), read outside the timers",
+            "cores": self.cores,
+            "limit_per_core": LOAD_PER_CORE_LIMIT,
+            "own_threads": self.own_threads,
+            "own_estimate_formula": f"own_threads * (1 - exp(-t / 60 s)), t = seconds since {self.age_from}",
+            "readings": list(self.readings),
+            "max_other_per_core": None if worst is None else worst["other_per_core"],
+            "busy": busy,
+            "warning": warning,
+        }
+
+
 # --------------------------------------------------------------------------------------------
 # The runs
 # --------------------------------------------------------------------------------------------
@@ -496,7 +581,7 @@ class _Runner:
     def generate(self) -> Any:
         return self.model.generate(**self.inputs, **self.kwargs)
 
-    def timed(self) -> "tuple[Any, float]":
+    def timed(self) -> Tuple[Any, float]:
         """One complete ``generate()`` between two synchronized clock reads: ``(output, seconds)``."""
         return timed_call(self.generate, self.synchronize, clock=self.clock)
 
@@ -505,12 +590,25 @@ class _Runner:
         return count_new_tokens(_sequences(output), self.width, self.eos, self.pad)
 
 
-def measure(runner: _Runner) -> List[Dict[str, Any]]:
+def _flush_global_tracer_provider() -> None:
+    """Finish the span export a global SDK tracer provider deferred (e.g. under ``opentelemetry-instrument``)."""
+    from opentelemetry import trace
+
+    flush = getattr(trace.get_tracer_provider(), "force_flush", None)
+    if callable(flush):
+        flush()
+
+
+def measure(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> List[Dict[str, Any]]:
     """Warmup, then ``runs`` measured runs under a :class:`~otel_generate.TokenLatencyProfiler`.
 
-    Returns one sample per measured run: :func:`make_sample` plus the instrumentation's
-    ``time_to_first_token_ms``, ``time_per_output_token_ms``, ``step_latencies_ms`` and
-    ``step_tokens`` (milliseconds; tokens per sequence each step appended).
+    These are *profiled* runs (:data:`MEASURED_RUNS`), the ones the headline medians describe.
+    After each run, outside the timer, a global SDK tracer provider (if one is set) is flushed
+    so that no span export lands in the next run's timer, and ``monitor`` reads the load.
+
+    Returns one sample per measured run: :func:`~otel_generate.bench.stats.make_sample` plus the
+    instrumentation's ``time_to_first_token_ms``, ``time_per_output_token_ms``,
+    ``step_latencies_ms`` and ``step_tokens`` (milliseconds; tokens per sequence each step appended).
     """
     from otel_generate import TokenLatencyProfiler
 
@@ -519,10 +617,14 @@ def measure(runner: _Runner) -> List[Dict[str, Any]]:
     with TokenLatencyProfiler() as profiler:
         for _ in range(config.warmup):
             runner.generate()
-        for _ in range(config.runs):
+        _flush_global_tracer_provider()
+        if monitor is not None:
+            monitor.read("after warmup")
+        for run in range(config.runs):
             before = len(profiler.records)
             gc.collect()
             output, elapsed = runner.timed()
+            _flush_global_tracer_provider()
             sample = make_sample(elapsed, runner.counts(output))
             new_records = profiler.records[before:]
             record = new_records[-1] if new_records else None
@@ -537,19 +639,75 @@ def measure(runner: _Runner) -> List[Dict[str, Any]]:
                 sample["step_latencies_ms"] = []
                 sample["step_tokens"] = []
             samples.append(sample)
+            if monitor is not None:
+                monitor.read(f"run {run + 1}")
     return samples
 
 
-def _discarding_exporter() -> Any:
+def _ms(seconds: Optional[float]) -> Optional[float]:
+    return None if seconds is None else seconds * 1e3
+
+
+# --------------------------------------------------------------------------------------------
+# --compare: exporters, deferred work, paired ratios
+# --------------------------------------------------------------------------------------------
+
+
+def encode_spans_request(spans: Sequence[Any]) -> Any:
+    """The OTLP ``ExportTraceServiceRequest`` a real OTLP exporter would send for ``spans``.
+
+    opentelemetry-exporter-otlp-proto-common's ``encode_spans``, the encoder of the SDK's OTLP
+    gRPC and HTTP span exporters.
+    """
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    return encode_spans(spans)
+
+
+def encode_metrics_request(data: Any) -> Any:
+    """The OTLP ``ExportMetricsServiceRequest`` for ``data`` (``encode_metrics`` of the same package)."""
+    from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+
+    return encode_metrics(data)
+
+
+def make_exporters(kind: str) -> Tuple[Any, Any]:
+    """``(span exporter, metric reader)`` for ``--exporter kind`` (see :data:`EXPORTERS`).
+
+    * ``discard``: the span exporter counts spans (``.spans``) and drops them; the metrics go
+      to an SDK ``InMemoryMetricReader`` (collected, never encoded). ``.bytes`` is ``None``.
+    * ``otlp-encode``: the span exporter encodes each batch with :func:`encode_spans_request`,
+      serializes it (``SerializeToString``), adds its length to ``.bytes`` and its span count
+      to ``.spans``, and drops the bytes; the metrics go to a ``PeriodicExportingMetricReader``
+      (no timer thread: collected on flush) whose exporter does the same with
+      :func:`encode_metrics_request` (``.bytes`` of the metric exporter, ``reader.exporter``).
+      What is left out is only the network.
+
+    Raises:
+        ValueError: an unknown ``kind``.
+    """
+    from opentelemetry.sdk.metrics.export import (
+        InMemoryMetricReader,
+        MetricExporter,
+        MetricExportResult,
+        PeriodicExportingMetricReader,
+    )
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-    class DiscardingSpanExporter(SpanExporter):
-        """Counts the spans it receives and drops them (the export cost of a real exporter is not measured)."""
+    if kind not in EXPORTERS:
+        raise ValueError(f"unknown exporter {kind!r}; expected one of {', '.join(EXPORTERS)}")
+    encode = kind == "otlp-encode"
+
+    class BenchSpanExporter(SpanExporter):
+        """Counts the spans (and, encoding, the OTLP bytes) it receives and drops them."""
 
         def __init__(self) -> None:
             self.spans = 0
+            self.bytes: Optional[int] = 0 if encode else None
 
         def export(self, spans: Sequence[Any]) -> Any:
+            if encode:
+                self.bytes += len(encode_spans_request(spans).SerializeToString())
             self.spans += len(spans)
             return SpanExportResult.SUCCESS
 
@@ -559,7 +717,30 @@ def _discarding_exporter() -> Any:
         def force_flush(self, timeout_millis: int = 30000) -> bool:
             return True
 
-    return DiscardingSpanExporter()
+    if not encode:
+        return BenchSpanExporter(), InMemoryMetricReader()
+
+    class EncodingMetricExporter(MetricExporter):
+        """Encodes each metrics export as OTLP protobuf, counts the bytes and drops them."""
+
+        def __init__(self) -> None:
+            super().__init__()  # cumulative temporality, as the in-memory reader of ``discard`` collects
+            self.bytes = 0
+
+        def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> Any:
+            self.bytes += len(encode_metrics_request(metrics_data).SerializeToString())
+            return MetricExportResult.SUCCESS
+
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return True
+
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+            pass
+
+    metric_exporter = EncodingMetricExporter()
+    reader = PeriodicExportingMetricReader(metric_exporter, export_interval_millis=math.inf)
+    reader.exporter = metric_exporter
+    return BenchSpanExporter(), reader
 
 
 def _check_uninstrumented() -> None:
@@ -572,20 +753,40 @@ def _check_uninstrumented() -> None:
         )
 
 
-def compare(runner: _Runner) -> Dict[str, Any]:
+def _with_iqr(result: Dict[str, Any], name: str, values: Sequence[float]) -> None:
+    result[f"median_{name}"] = median_of(values)
+    result[f"iqr_{name}"] = iqr_of(values)
+
+
+def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str, Any]:
     """Plain vs instrumented ``generate()``, interleaved A B A B; ``runs`` pairs after ``warmup`` pairs.
 
-    Plain is the original ``GenerationMixin.generate`` (the instrumentor is uninstrumented, so
-    no wrapper runs at all); instrumented is ``GenerateInstrumentor().instrument()`` with an SDK
-    ``TracerProvider`` + ``BatchSpanProcessor`` + a discarding exporter and an SDK
-    ``MeterProvider`` (in-memory reader). Instrumenting and uninstrumenting happen outside the
-    timer; ``gc.collect()`` runs before every timed call on both sides.
+    These runs are separate from the measured (profiled) runs of the headline. Plain is the
+    original ``GenerationMixin.generate`` (the instrumentor is uninstrumented, so no wrapper
+    runs at all); instrumented is ``GenerateInstrumentor().instrument()`` (with
+    ``max_step_spans=--max-step-spans`` when given) with an SDK ``TracerProvider`` +
+    ``BatchSpanProcessor`` + the ``--exporter`` and an SDK ``MeterProvider`` (see
+    :func:`make_exporters`). Instrumenting and uninstrumenting happen outside the timer;
+    ``gc.collect()`` runs before every timed call on both sides.
+
+    Deferred work: right after each instrumented timed call, outside any timer and before the
+    next run, ``tracer_provider.force_flush()`` (the batch processor exports the call's spans
+    on its thread; with ``otlp-encode`` that is the encoding) and then
+    ``meter_provider.force_flush()`` (the metric collection, and its encoding) run, each timed
+    with the same clock. Their sum is charged to that call: ``paired_ratios_with_deferred`` =
+    (instrumented + deferred) / plain. The metric flush is periodic in a real deployment (every
+    export interval, not every request), so charging one per request is an upper bound.
 
     Returns:
-        ``pairs``, ``plain_elapsed_s`` and ``instrumented_elapsed_s`` (lists, seconds),
-        ``paired_ratios`` (instrumented/plain per pair), ``median_paired_ratio``, ``steps``
-        (decode steps per run), ``added_us_per_step`` (per pair: (instrumented - plain) / steps,
-        microseconds), ``median_added_us_per_step``, ``spans_exported`` / ``spans_expected``,
+        per pair (lists): ``plain_elapsed_s``, ``instrumented_elapsed_s``,
+        ``deferred_trace_flush_s``, ``deferred_metric_flush_s``, ``instrumented_deferred_s``
+        (their sum), ``paired_ratios`` (instrumented / plain, caller-visible),
+        ``paired_ratios_with_deferred``, ``steps`` (decode steps per run), ``added_us_per_step``
+        and ``added_us_per_step_with_deferred`` ((instrumented [+ deferred] - plain) / steps,
+        microseconds), ``plain_tokens_per_s``, ``spans_exported_after_each_flush`` (cumulative);
+        for each of those a ``median_X`` and an ``iqr_X`` (``[25th, 75th percentile]``);
+        ``spans_exported`` / ``spans_expected``, ``exported_bytes`` / ``exported_metric_bytes``
+        (``otlp-encode``: serialized OTLP bytes; ``discard``: ``None``), ``flushes_complete``,
         ``outputs_identical`` and descriptions of both paths.
 
     Raises:
@@ -594,201 +795,160 @@ def compare(runner: _Runner) -> Dict[str, Any]:
     """
     import torch
     from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from otel_generate import GenerateInstrumentor
+    from otel_generate import DEFAULT_MAX_STEP_SPANS, ENV_MAX_STEP_SPANS, GenerateInstrumentor, _env_int
 
     _check_uninstrumented()
+    config = runner.config
+    clock = runner.clock
     instrumentor = GenerateInstrumentor()
-    exporter = _discarding_exporter()
+    exporter, metric_reader = make_exporters(config.exporter)
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
-    meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
+    meter_provider = MeterProvider(metric_readers=[metric_reader])
+    options: Dict[str, Any] = dict(tracer_provider=tracer_provider, meter_provider=meter_provider, skip_dep_check=True)
+    if config.max_step_spans is not None:
+        options["max_step_spans"] = config.max_step_spans
+        max_step_spans = config.max_step_spans
+    else:
+        max_step_spans = _env_int(ENV_MAX_STEP_SPANS, DEFAULT_MAX_STEP_SPANS)  # what instrument() uses
+    flushes_complete = True
 
-    def plain() -> "tuple[Any, float]":
+    def plain() -> Tuple[Any, float]:
         gc.collect()
         return runner.timed()
 
-    def instrumented() -> "tuple[Any, float]":
-        instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider, skip_dep_check=True)
+    def instrumented() -> Tuple[Any, float, float, float]:
+        nonlocal flushes_complete
+        instrumentor.instrument(**options)
         try:
             gc.collect()
-            return runner.timed()
+            output, elapsed = runner.timed()
+            # the work this call deferred, finished now, outside the timers, and charged to it
+            start = clock()
+            traced = tracer_provider.force_flush()
+            middle = clock()
+            metered = meter_provider.force_flush()
+            end = clock()
         finally:
             instrumentor.uninstrument()
+        flushes_complete = flushes_complete and traced is not False and metered is not False
+        return output, elapsed, middle - start, end - middle
 
-    config = runner.config
     try:
         for _ in range(config.warmup):
             plain()
             instrumented()
-        tracer_provider.force_flush()
         spans_before = exporter.spans
+        bytes_before = exporter.bytes
+        metric_exporter = getattr(metric_reader, "exporter", None)
+        metric_bytes_before = metric_exporter.bytes if metric_exporter is not None else None
+        flushes_complete = True
         plain_s: List[float] = []
         instr_s: List[float] = []
+        trace_flush_s: List[float] = []
+        metric_flush_s: List[float] = []
         steps: List[int] = []
+        plain_rates: List[float] = []
+        exported_after: List[int] = []
         identical = True
-        for _ in range(config.runs):
+        for pair in range(config.runs):
             out_a, elapsed_a = plain()
-            out_b, elapsed_b = instrumented()
+            out_b, elapsed_b, flush_trace, flush_metric = instrumented()
+            exported_after.append(exporter.spans - spans_before)
             plain_s.append(elapsed_a)
             instr_s.append(elapsed_b)
+            trace_flush_s.append(flush_trace)
+            metric_flush_s.append(flush_metric)
             seq_a, seq_b = _sequences(out_a), _sequences(out_b)
             identical = identical and seq_a.shape == seq_b.shape and bool(torch.equal(seq_a, seq_b))
+            counts_a = runner.counts(out_a)
             # decode steps = loop iterations = the longest sequence's new tokens (greedy: 1 token/step)
-            steps.append(max(runner.counts(out_a)))
-        tracer_provider.force_flush()
+            steps.append(max(counts_a))
+            plain_rates.append(sum(counts_a) / elapsed_a)
+            if monitor is not None:
+                monitor.read(f"pair {pair + 1}")
         spans_exported = exporter.spans - spans_before
+        exported_bytes = None if exporter.bytes is None else exporter.bytes - bytes_before
+        metric_bytes = None if metric_exporter is None else metric_exporter.bytes - metric_bytes_before
     finally:
         tracer_provider.shutdown()
         meter_provider.shutdown()
-    from otel_generate import DEFAULT_MAX_STEP_SPANS, ENV_MAX_STEP_SPANS, _env_int
-
-    max_step_spans = _env_int(ENV_MAX_STEP_SPANS, DEFAULT_MAX_STEP_SPANS)  # what instrument() used
+    deferred = [t + m for t, m in zip(trace_flush_s, metric_flush_s)]
     ratios = [b / a for a, b in zip(plain_s, instr_s)]
+    ratios_deferred = [(b + d) / a for a, b, d in zip(plain_s, instr_s, deferred)]
     added = [(b - a) / n * 1e6 for a, b, n in zip(plain_s, instr_s, steps)]
-    return {
+    added_deferred = [(b + d - a) / n * 1e6 for a, b, d, n in zip(plain_s, instr_s, deferred, steps)]
+    instrumented_description = (
+        "GenerateInstrumentor().instrument(tracer_provider=SDK TracerProvider + BatchSpanProcessor + "
+        + ("discarding SpanExporter, meter_provider=SDK MeterProvider + InMemoryMetricReader"
+           if config.exporter == "discard" else
+           "SpanExporter that encodes OTLP protobuf and discards the bytes, meter_provider=SDK MeterProvider + "
+           "PeriodicExportingMetricReader whose exporter encodes OTLP protobuf and discards the bytes")
+        + (f", max_step_spans={config.max_step_spans}" if config.max_step_spans is not None else "")
+        + ")"
+    )
+    result: Dict[str, Any] = {
         "pairs": config.runs,
-        "order": "A B A B (plain, then instrumented, per pair)",
+        "order": "A B A B (plain, then instrumented, per pair); deferred work finished after each B, untimed by A or B",
+        "runs": "runs of their own, separate from the measured (profiled) runs of the headline",
         "plain": "GenerationMixin.generate uninstrumented (the original function; no wrapper runs)",
-        "instrumented": (
-            "GenerateInstrumentor().instrument(tracer_provider=SDK TracerProvider + BatchSpanProcessor + "
-            "discarding SpanExporter, meter_provider=SDK MeterProvider + InMemoryMetricReader)"
+        "instrumented": instrumented_description,
+        "deferred": (
+            "after each instrumented call, outside its timer and before the next run: "
+            "tracer_provider.force_flush() then meter_provider.force_flush(), each timed; charged to that call"
         ),
+        "exporter": config.exporter,
         "plain_elapsed_s": plain_s,
         "instrumented_elapsed_s": instr_s,
+        "deferred_trace_flush_s": trace_flush_s,
+        "deferred_metric_flush_s": metric_flush_s,
+        "instrumented_deferred_s": deferred,
         "paired_ratios": ratios,
-        "median_paired_ratio": statistics.median(ratios),
+        "paired_ratios_with_deferred": ratios_deferred,
         "steps": steps,
         "added_us_per_step": added,
-        "median_added_us_per_step": statistics.median(added),
-        "median_plain_elapsed_s": statistics.median(plain_s),
-        "median_instrumented_elapsed_s": statistics.median(instr_s),
-        "spans_exported": spans_exported,
-        "max_step_spans": max_step_spans,
-        # per run: the request span + one span per step (at most max_step_spans)
-        "spans_expected": sum(1 + min(n, max_step_spans) for n in steps),
-        "outputs_identical": identical,
+        "added_us_per_step_with_deferred": added_deferred,
+        "plain_tokens_per_s": plain_rates,
     }
-
-
-# --------------------------------------------------------------------------------------------
-# Plot, summary, output
-# --------------------------------------------------------------------------------------------
-
-
-def plot_latencies(result: Dict[str, Any], path: str) -> None:
-    """Write a PNG of the per-token latency of the measured runs (matplotlib's Agg canvas).
-
-    x: token index in the continuation (of the step's first token), y: step latency in
-    milliseconds; one line per run; the first token (the prefill step) is marked.
-
-    Raises:
-        BenchUsageError: matplotlib is not installed.
-    """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise BenchUsageError("--plot needs matplotlib, which is not installed: pip install matplotlib (the package's [plot] extra)") from None
-
-    figure = Figure(figsize=(8, 4.5), dpi=100)
-    FigureCanvasAgg(figure)
-    axes = figure.add_subplot(1, 1, 1)
-    first_marked = False
-    many = len(result["samples"]) > 8
-    for run, sample in enumerate(result["samples"]):
-        latencies = sample.get("step_latencies_ms") or []
-        tokens = sample.get("step_tokens") or [1] * len(latencies)
-        if not latencies:
-            continue
-        index, xs = 0, []
-        for count in tokens:
-            xs.append(index)
-            index += count
-        label = (f"measured runs ({len(result['samples'])})" if run == 0 else None) if many else f"run {run + 1}"
-        axes.plot(xs, latencies, linewidth=1, alpha=0.8, label=label)
-        axes.plot(
-            [xs[0]], [latencies[0]], linestyle="none", marker="o", color="red", markersize=7,
-            label=None if first_marked else "first token (prefill)",
-        )
-        first_marked = True
-    axes.set_xlabel("token index")
-    axes.set_ylabel("latency (ms)")
-    axes.set_title(
-        f"per-token latency: {result.get('model', '')}\n{result['device']}, {result['dtype']}, "
-        f"{result['threads']} thread(s), batch {result['batch_size']}, prompt {result['prompt_tokens']} tokens",
-        fontsize=9,
+    _with_iqr(result, "paired_ratio", ratios)
+    _with_iqr(result, "paired_ratio_with_deferred", ratios_deferred)
+    _with_iqr(result, "added_us_per_step", added)
+    _with_iqr(result, "added_us_per_step_with_deferred", added_deferred)
+    _with_iqr(result, "plain_elapsed_s", plain_s)
+    _with_iqr(result, "instrumented_elapsed_s", instr_s)
+    _with_iqr(result, "instrumented_deferred_s", deferred)
+    _with_iqr(result, "plain_tokens_per_s", plain_rates)
+    result.update(
+        {
+            "spans_exported": spans_exported,
+            "spans_exported_after_each_flush": exported_after,
+            "max_step_spans": max_step_spans,
+            # per run: the request span + one span per step (at most max_step_spans)
+            "spans_expected": sum(1 + min(n, max_step_spans) for n in steps),
+            "exported_bytes": exported_bytes,
+            "exported_metric_bytes": metric_bytes,
+            "flushes_complete": flushes_complete,
+            "outputs_identical": identical,
+        }
     )
-    axes.set_ylim(bottom=0)
-    axes.grid(True, alpha=0.3)
-    axes.legend(fontsize=8, loc="upper right")
-    figure.tight_layout()
-    figure.savefig(path, format="png")
+    return result
 
 
-def summary_text(result: Dict[str, Any]) -> str:
-    """The human-readable summary printed on stderr."""
-
-    def num(value: Optional[float], fmt: str) -> str:
-        return "n/a" if value is None else format(value, fmt)
-
-    samples = result["samples"]
-    elapsed = [s["elapsed_s"] for s in samples]
-    rates = [s["tokens_per_s"] for s in samples]
-    tokens = sorted({s["new_tokens"] for s in samples})
-    lines = [
-        f"otel-generate bench: {result['model']}",
-        f"  device {result['device']}, {result['dtype']}, {result['threads']} thread(s), "
-        f"{result['parameters']:,} parameters",
-        f"  prompt {result['prompt_tokens']} tokens x batch {result['batch_size']}, "
-        f"{result['new_tokens_requested']} new tokens requested (EOS {'on' if result['eos_token_id'] else 'off'}), "
-        f"warmup {result['warmup']}, runs {result['runs']}",
-        f"  new tokens per run: {', '.join(map(str, tokens))}",
-        f"  elapsed      median {result['median_elapsed_s'] * 1e3:.3f} ms "
-        f"(min {min(elapsed) * 1e3:.3f}, max {max(elapsed) * 1e3:.3f})",
-        f"  tokens/s     median {result['median_tokens_per_s']:.1f} (min {min(rates):.1f}, max {max(rates):.1f})",
-        f"  time to first token    median {num(result['median_time_to_first_token_ms'], '.3f')} ms",
-        f"  time per output token  median {num(result['median_time_per_output_token_ms'], '.3f')} ms",
-    ]
-    cmp = result.get("compare")
-    if cmp:
-        lines += [
-            f"  compare ({cmp['pairs']} pairs, A B A B): median paired ratio instrumented/plain "
-            f"{cmp['median_paired_ratio']:.4f}, added {cmp['median_added_us_per_step']:.1f} us per step (median)",
-            f"    plain median {cmp['median_plain_elapsed_s'] * 1e3:.3f} ms, instrumented median "
-            f"{cmp['median_instrumented_elapsed_s'] * 1e3:.3f} ms; spans exported {cmp['spans_exported']} "
-            f"(expected {cmp['spans_expected']}); outputs identical: {cmp['outputs_identical']}",
-        ]
-    return "\n".join(lines)
-
-
-def _write_atomically(path: str, write: Callable[[str], None]) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    suffix = os.path.splitext(path)[1]
-    fd, tmp = tempfile.mkstemp(prefix=".otel-generate-", suffix=suffix, dir=directory)
-    os.close(fd)
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+# --------------------------------------------------------------------------------------------
+# The whole run
+# --------------------------------------------------------------------------------------------
 
 
 def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> Dict[str, Any]:
     """Validate, build, warm up, measure (and compare); return the result document.
 
-    Nothing is written here (see :func:`main_bench`). ``torch``'s CPU thread count is set to
-    ``config.threads`` for the run and restored afterwards.
+    Nothing is written here (see :func:`otel_generate.bench.cli.main_bench`). ``torch``'s CPU
+    thread count is set to ``config.threads`` for the run and restored afterwards. The load
+    average is read throughout (:class:`LoadMonitor`); ``warnings`` lists what makes the numbers
+    less trustworthy (a busy machine, a flush that timed out).
 
     Raises:
         BenchUsageError: invalid input (see :meth:`BenchConfig.validate`, :func:`resolve_device`,
@@ -796,6 +956,8 @@ def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> 
         ValueError: a timed call whose clock did not advance.
     """
     config.validate()
+    monitor = LoadMonitor(own_threads=config.threads)
+    monitor.read("start")
     device = resolve_device(config.device)
     if config.compare:
         _check_uninstrumented()
@@ -805,7 +967,7 @@ def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> 
     torch.set_num_threads(config.threads)
     try:
         runner = _Runner(config, device, clock=clock)
-        samples = measure(runner)
+        samples = measure(runner, monitor)
         result: Dict[str, Any] = {
             "versions": versions(),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -828,96 +990,18 @@ def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> 
             "synchronize": f"{device} synchronize before each clock read" if runner.synchronize is not None
             else "none needed (cpu: eager work has finished when ops return)",
             "timer": "time.perf_counter around one complete generate(), synchronized before and after",
+            "measured_runs": MEASURED_RUNS,
             "samples": samples,
         }
         result.update(summarize(samples))
         if config.compare:
-            result["compare"] = compare(runner)
+            result["compare"] = compare(runner, monitor)
+        monitor.read("end")
+        result["load"] = monitor.report()
+        warnings = [result["load"]["warning"]] if result["load"]["warning"] else []
+        if config.compare and not result["compare"]["flushes_complete"]:
+            warnings.append("a flush of deferred work timed out: some deferred work was not charged to its run")
+        result["warnings"] = warnings
         return result
     finally:
         torch.set_num_threads(previous_threads)
-
-
-def main_bench(config: BenchConfig, stdout: Any = None, stderr: Any = None) -> int:
-    """Run, then write ``--plot`` and ``--output`` (each atomically) and the summary on stderr.
-
-    Returns 0. Raises :class:`BenchUsageError` on invalid input, before anything is written.
-    """
-    stdout = stdout if stdout is not None else sys.stdout
-    stderr = stderr if stderr is not None else sys.stderr
-    result = run(config)
-    text = json.dumps(result, indent=2)
-    if config.plot is not None:
-        _write_atomically(config.plot, lambda tmp: plot_latencies(result, tmp))
-    if config.output == "-":
-        stdout.write(text + "\n")
-        stdout.flush()
-    elif config.output is not None:
-        def write_json(tmp: str) -> None:
-            with open(tmp, "w", encoding="utf-8") as handle:
-                handle.write(text + "\n")
-
-        _write_atomically(config.output, write_json)
-    print(summary_text(result), file=stderr)
-    if config.plot is not None:
-        print(f"  plot written to {config.plot}", file=stderr)
-    if config.output not in (None, "-"):
-        print(f"  JSON written to {config.output}", file=stderr)
-    return 0
-
-
-# --------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``bench`` subcommand's options."""
-    parser.add_argument("--device", choices=DEVICES, default="cpu",
-                        help="where to run: cpu, cuda, or auto (cuda if available, else cpu); default cpu")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", metavar="PATH",
-                        help="local checkpoint directory (from_pretrained, local files only); "
-                             "default: a small random-weight GPT-2-architecture model built locally")
-    source.add_argument("--model-config", metavar="PATH",
-                        help="random-weight model of this transformers config.json (a file or a directory "
-                             "holding one), initialised on the device; nothing is downloaded")
-    parser.add_argument("--prompt-tokens", type=int, default=4, metavar="N", help="prompt length in tokens (default 4)")
-    parser.add_argument("--new-tokens", type=int, default=8, metavar="N", help="max_new_tokens (default 8)")
-    parser.add_argument("--batch-size", type=int, default=1, metavar="N", help="prompts per generate() call (default 1)")
-    parser.add_argument("--warmup", type=int, default=2, metavar="N", help="unmeasured runs first (default 2)")
-    parser.add_argument("--runs", type=int, default=5, metavar="N",
-                        help="measured runs (default 5); with --compare also the number of A/B pairs")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype (default float32)")
-    parser.add_argument("--threads", type=int, default=1, metavar="N",
-                        help="torch CPU threads, torch.set_num_threads (default 1)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and the prompt (default 0)")
-    parser.add_argument("--eos", nargs="?", const=MODEL_EOS, default=None, metavar="TOKEN_ID",
-                        help="let EOS stop generation: the model's EOS id, or TOKEN_ID if given "
-                             "(default: EOS disabled, every run generates --new-tokens tokens)")
-    parser.add_argument("--output", metavar="PATH", help="write the JSON result here ('-' for stdout)")
-    parser.add_argument("--plot", metavar="PATH.png",
-                        help="write a PNG of per-token latency of the measured runs (needs matplotlib)")
-    parser.add_argument("--compare", action="store_true",
-                        help="also time plain vs instrumented generate(), interleaved A B A B, --runs pairs")
-
-
-def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> BenchConfig:
-    return BenchConfig(
-        device=args.device,
-        model=args.model,
-        model_config=args.model_config,
-        prompt_tokens=args.prompt_tokens,
-        new_tokens=args.new_tokens,
-        batch_size=args.batch_size,
-        warmup=args.warmup,
-        runs=args.runs,
-        dtype=args.dtype,
-        threads=args.threads,
-        seed=args.seed,
-        eos=args.eos,
-        output=args.output,
-        plot=args.plot,
-        compare=args.compare,
-        argv=list(argv),
-    )

@@ -1,6 +1,6 @@
 """Small random-weight models built from transformers configs, and loading a local checkpoint.
 
-Used by the example, the benchmark and the tests: nothing is downloaded. Real checkpoints are
+Part of the bench package; also used by the examples and the tests: nothing is downloaded. Real checkpoints are
 loaded with ``from_pretrained`` from a local directory only (``local_files_only=True``).
 """
 

@@ -1,0 +1,291 @@
+"""The ``otel-generate`` command line (also ``python -m otel_generate``).
+
+Subcommands:
+
+* ``bench``: time ``generate()`` and (``--compare``) what the instrumentation costs; see
+  :mod:`otel_generate.bench.harness`.
+
+Exit status: 0 on success, 2 on invalid input (argparse's convention: the subcommand's usage and
+a message on stderr, nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from otel_generate.bench import harness
+from otel_generate.bench.harness import DEVICES, DTYPES, EXPORTERS, MODEL_EOS, BenchConfig, BenchUsageError
+from otel_generate.bench.plot import MATPLOTLIB_MISSING, PLOT_FORMATS, plot_format
+
+PROG = "otel-generate"
+
+BENCH_DESCRIPTION = (
+    "Time complete generate() calls (greedy, cache on, EOS off unless --eos) after warmup, count only real "
+    "continuation tokens, keep every sample; every median comes with its interquartile range (IQR, 25th-75th "
+    "percentile). JSON to --output, summary on stderr. The load average is read before, between and after the "
+    "runs; the bench warns when the load besides its own (its --threads busy threads, counted in as they enter "
+    f"the 1-minute average) was above {harness.LOAD_PER_CORE_LIMIT} per core, and records every reading in the "
+    "JSON under 'load'."
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` subcommand's options."""
+    parser.add_argument("--device", choices=DEVICES, default="cpu",
+                        help="where to run: cpu, cuda, or auto (cuda if available, else cpu); default cpu")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", metavar="PATH",
+                        help="local checkpoint directory (from_pretrained, local files only); "
+                             "default: a small random-weight GPT-2-architecture model built locally")
+    source.add_argument("--model-config", metavar="PATH",
+                        help="random-weight model of this transformers config.json (a file or a directory "
+                             "holding one), initialised on the device; nothing is downloaded")
+    parser.add_argument("--prompt-tokens", type=int, default=4, metavar="N", help="prompt length in tokens (default 4)")
+    parser.add_argument("--new-tokens", type=int, default=8, metavar="N", help="max_new_tokens (default 8)")
+    parser.add_argument("--batch-size", type=int, default=1, metavar="N", help="prompts per generate() call (default 1)")
+    parser.add_argument("--warmup", type=int, default=2, metavar="N", help="unmeasured runs first (default 2)")
+    parser.add_argument("--runs", type=int, default=5, metavar="N",
+                        help="measured runs (default 5); with --compare also the number of A/B pairs")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype (default float32)")
+    parser.add_argument("--threads", type=int, default=1, metavar="N",
+                        help="torch CPU threads, torch.set_num_threads (default 1); also the bench's own "
+                             "share of the load average when it judges whether the machine was busy")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and the prompt (default 0)")
+    parser.add_argument("--eos", nargs="?", const=MODEL_EOS, default=None, metavar="TOKEN_ID",
+                        help="let EOS stop generation: the model's EOS id, or TOKEN_ID if given "
+                             "(default: EOS disabled, every run generates --new-tokens tokens)")
+    parser.add_argument("--output", metavar="PATH", help="write the JSON result here ('-' for stdout)")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="write the per-token latency of the measured runs (median and interquartile band "
+                             f"per token index, prefill marked) in the format of the extension: "
+                             f"{', '.join('.' + e for e in PLOT_FORMATS)} (needs matplotlib)")
+    parser.add_argument("--compare", action="store_true",
+                        help="also time plain vs instrumented generate(), interleaved A B A B, --runs pairs; "
+                             "the work each instrumented call defers (span export, metric collection) is "
+                             "finished outside the timers and reported both apart and charged to that call")
+    parser.add_argument("--exporter", choices=EXPORTERS, default="discard",
+                        help="--compare's exporter: discard (count spans and drop them, default) or otlp-encode "
+                             "(encode every span batch and metric collection as OTLP protobuf, as a real OTLP "
+                             "exporter does, count the bytes and drop them)")
+    parser.add_argument("--max-step-spans", type=int, default=None, metavar="N",
+                        help="--compare: instrument(max_step_spans=N), at most N step spans per request "
+                             "(0: none); default: the instrumentation's own (OTEL_GENERATE_MAX_STEP_SPANS or 1024)")
+    # A continuous-batching workload (--continuous-batching --requests N) would be another harness runner.
+
+
+def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> BenchConfig:
+    return BenchConfig(
+        device=args.device,
+        model=args.model,
+        model_config=args.model_config,
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        batch_size=args.batch_size,
+        warmup=args.warmup,
+        runs=args.runs,
+        dtype=args.dtype,
+        threads=args.threads,
+        seed=args.seed,
+        eos=args.eos,
+        output=args.output,
+        plot=args.plot,
+        compare=args.compare,
+        exporter=args.exporter,
+        max_step_spans=args.max_step_spans,
+        argv=list(argv),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Summary and output
+# --------------------------------------------------------------------------------------------
+
+
+def _median_iqr(
+    median: Optional[float], iqr: Optional[Sequence[float]], fmt: str, scale: float = 1.0, unit: str = ""
+) -> str:
+    """``"1.234 ms (IQR 1.200 to 1.300 ms)"``; ``"n/a"`` without a value."""
+    if median is None:
+        return "n/a"
+    unit = f" {unit}" if unit else ""
+    text = f"{format(median * scale, fmt)}{unit}"
+    if iqr is not None:
+        text += f" (IQR {format(iqr[0] * scale, fmt)} to {format(iqr[1] * scale, fmt)}{unit})"
+    return text
+
+
+def summary_text(result: Dict[str, Any]) -> str:
+    """The human-readable summary printed on stderr: every median with its interquartile range."""
+    samples = result["samples"]
+    elapsed = [s["elapsed_s"] for s in samples]
+    rates = [s["tokens_per_s"] for s in samples]
+    tokens = sorted({s["new_tokens"] for s in samples})
+    lines = [f"WARNING: {w}" for w in result.get("warnings", [])]
+
+    def r(name: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
+        return _median_iqr(result[f"median_{name}"], result[f"iqr_{name}"], fmt, scale, unit)
+
+    lines += [
+        f"otel-generate bench: {result['model']}",
+        f"  device {result['device']}, {result['dtype']}, {result['threads']} thread(s), "
+        f"{result['parameters']:,} parameters",
+        f"  prompt {result['prompt_tokens']} tokens x batch {result['batch_size']}, "
+        f"{result['new_tokens_requested']} new tokens requested (EOS {'on' if result['eos_token_id'] else 'off'}), "
+        f"warmup {result['warmup']}, runs {result['runs']}",
+        f"  measured runs ({len(samples)}, profiled: per-step hook on, for TTFT and TPOT); "
+        f"new tokens per run: {', '.join(map(str, tokens))}",
+        f"  elapsed      median {r('elapsed_s', '.3f', 1e3, 'ms')} "
+        f"(min {min(elapsed) * 1e3:.3f}, max {max(elapsed) * 1e3:.3f})",
+        f"  tokens/s     median {r('tokens_per_s', '.1f')} "
+        f"(min {min(rates):.1f}, max {max(rates):.1f})",
+        f"  time to first token    median {r('time_to_first_token_ms', '.3f', unit='ms')}",
+        f"  time per output token  median {r('time_per_output_token_ms', '.3f', unit='ms')}",
+    ]
+    cmp = result.get("compare")
+    if cmp:
+        def m(name: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
+            return _median_iqr(cmp[f"median_{name}"], cmp[f"iqr_{name}"], fmt, scale, unit)
+
+        byte_text = ""
+        if cmp.get("exported_bytes") is not None:
+            byte_text = f", {cmp['exported_bytes']:,} OTLP bytes encoded and discarded"
+            if cmp.get("exported_metric_bytes") is not None:
+                byte_text += f" (+{cmp['exported_metric_bytes']:,} of metrics)"
+        lines += [
+            f"  compare: {cmp['pairs']} pairs of runs of their own (not the measured runs above), "
+            f"plain / instrumented interleaved A B A B, exporter {cmp['exporter']}",
+            f"    plain         median {m('plain_elapsed_s', '.3f', 1e3, 'ms')}, "
+            f"{m('plain_tokens_per_s', '.1f', unit='tokens/s')}",
+            f"    instrumented  median {m('instrumented_elapsed_s', '.3f', 1e3, 'ms')} caller-visible, "
+            f"+ {m('instrumented_deferred_s', '.3f', 1e3, 'ms')} deferred (span and metric flush after the call)",
+            f"    paired ratio instrumented/plain: caller-visible {m('paired_ratio', '.4f')}, "
+            f"with deferred work {m('paired_ratio_with_deferred', '.4f')}",
+            f"    added per step: caller-visible {m('added_us_per_step', '.1f', unit='us')}, "
+            f"with deferred work {m('added_us_per_step_with_deferred', '.1f', unit='us')}",
+            f"    spans exported {cmp['spans_exported']} (expected {cmp['spans_expected']}){byte_text}; "
+            f"outputs identical: {cmp['outputs_identical']}",
+        ]
+    return "\n".join(lines)
+
+
+def _write_atomically(path: str, write: Callable[[str], None]) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    suffix = os.path.splitext(path)[1]
+    fd, tmp = tempfile.mkstemp(prefix=".otel-generate-", suffix=suffix, dir=directory)
+    os.close(fd)
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def main_bench(config: BenchConfig, stdout: Any = None, stderr: Any = None) -> int:
+    """Run, then write ``--plot`` and ``--output`` (each atomically) and the summary on stderr.
+
+    Returns 0. Raises :class:`~otel_generate.bench.harness.BenchUsageError` on invalid input,
+    before anything is written.
+    """
+    stdout = stdout if stdout is not None else sys.stdout
+    stderr = stderr if stderr is not None else sys.stderr
+    result = harness.run(config)
+    text = json.dumps(result, indent=2)
+    if config.plot is not None:
+        from otel_generate.bench.plot import plot_latencies
+
+        fmt = plot_format(config.plot)
+        try:
+            _write_atomically(config.plot, lambda tmp: plot_latencies(result, tmp, fmt))
+        except ImportError:
+            raise BenchUsageError(MATPLOTLIB_MISSING) from None
+    if config.output == "-":
+        stdout.write(text + "\n")
+        stdout.flush()
+    elif config.output is not None:
+        def write_json(tmp: str) -> None:
+            with open(tmp, "w", encoding="utf-8") as handle:
+                handle.write(text + "\n")
+
+        _write_atomically(config.output, write_json)
+    print(summary_text(result), file=stderr)
+    if config.plot is not None:
+        print(f"  plot written to {config.plot}", file=stderr)
+    if config.output not in (None, "-"):
+        print(f"  JSON written to {config.output}", file=stderr)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``otel-generate`` parser with its subcommands."""
+    from otel_generate.version import __version__
+
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="OpenTelemetry instrumentation for transformers generate(): tools.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+    bench_parser = commands.add_parser(
+        "bench",
+        help="time generate() on a device (tokens/s, TTFT, TPOT); --compare: the instrumentation's cost",
+        description=BENCH_DESCRIPTION,
+    )
+    add_arguments(bench_parser)
+    bench_parser.set_defaults(handler=_bench, command_parser=bench_parser)
+    return parser
+
+
+def _bench(args: argparse.Namespace, argv: List[str]) -> int:
+    try:
+        return main_bench(config_from_args(args, argv))
+    except BenchUsageError as exc:
+        # usage + "otel-generate bench: error: ..." on stderr, SystemExit(2), as argparse does
+        args.command_parser.error(str(exc))
+        return 2  # pragma: no cover
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run ``otel-generate`` with ``argv`` (default ``sys.argv[1:]``); return the exit status.
+
+    An argument the subcommand does not know is reported with the subcommand's own usage
+    (``usage: otel-generate bench ...``), not the top-level one.
+    """
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args, unknown = parser.parse_known_args(args_list)
+        if unknown:
+            args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return int(args.handler(args, [PROG] + args_list))
+    except SystemExit as exc:  # argparse errors (2), --help / --version (0)
+        code = exc.code
+        if code is None:
+            return 0
+        return code if isinstance(code, int) else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
