@@ -46,12 +46,11 @@ import logging
 import os
 from typing import Any, Collection, Dict
 
-import wrapt
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
-from opentelemetry.instrumentation.utils import unwrap
 
+from otel_generate._patch import Patches
 from otel_generate.emit import Telemetry, create_instruments, get_tracer
-from otel_generate.integrations import generate_loop
+from otel_generate.integrations import generate_loop, overrides, whisper
 from otel_generate.package import _instruments
 from otel_generate.record import GenerationRecord
 from otel_generate.version import __version__
@@ -164,7 +163,7 @@ class GenerateInstrumentor(BaseInstrumentor):
 
         from otel_generate.profiler import active_profilers
 
-        missing = [name for name in generate_loop.WRAPPERS if not hasattr(GenerationMixin, name)]
+        missing = [name for name in generate_loop.REQUIRED if name not in GenerationMixin.__dict__]
         if missing:
             _LOG.warning(
                 "otel_generate: this transformers has no GenerationMixin.%s; request spans only, no step spans",
@@ -178,15 +177,22 @@ class GenerateInstrumentor(BaseInstrumentor):
             skip_candidate_calls=generate_loop.assisted_calls_criteria_on_candidates(GenerationMixin),
             profilers=active_profilers,
         )
-        for name, factory in generate_loop.WRAPPERS.items():
-            if hasattr(GenerationMixin, name):
-                wrapt.wrap_function_wrapper(generate_loop.MODULE, f"{generate_loop.CLASS}.{name}", factory(telemetry))
+        # Every patch, in one place: GenerationMixin's loop (generate_loop), every model class's own
+        # generate() and custom_generate (overrides), Whisper's windows (whisper).
+        patches = Patches()
+        for name, factory in generate_loop.HOOKS.items():
+            patches.replace(GenerationMixin, name, factory, telemetry)
+        overrides.install(patches, telemetry, GenerationMixin)
+        whisper.install(patches, telemetry)
+        self._telemetry, self._patches = telemetry, patches
 
     def _uninstrument(self, **kwargs: Any) -> None:
-        from transformers.generation.utils import GenerationMixin
-
-        for name in generate_loop.WRAPPERS:
-            unwrap(GenerationMixin, name)
+        telemetry, patches = getattr(self, "_telemetry", None), getattr(self, "_patches", None)
+        if telemetry is not None:
+            telemetry.active = False  # hooks still reachable (a bound method held somewhere) only call through
+        if patches is not None:
+            patches.restore_all()
+        self._telemetry = self._patches = None
 
 
 from otel_generate.profiler import TokenLatencyProfiler  # noqa: E402  (needs GenerateInstrumentor)

@@ -57,6 +57,16 @@ GENERATE_SYNCHRONIZED = "generate.synchronized"
 GENERATE_STEP_SPANS_DROPPED = "generate.step_spans.dropped"
 #: True when some step data is missing or unreliable because of a fault inside the instrumentation.
 GENERATE_STEPS_INCOMPLETE = "generate.steps.incomplete"
+#: Why no step was timed although the request generated: a loop the instrumentation cannot see into.
+GENERATE_STEPS_UNOBSERVED = "generate.steps.unobserved"
+UNOBSERVED_CUSTOM_GENERATE = "custom_generate"  # a custom_generate loop that never calls the stopping criteria
+UNOBSERVED_MODEL_LOOP = "model_loop"  # a model's own generate() that runs no GenerationMixin loop
+#: Output tokens of inner calls whose result was not kept (Whisper fallback), included in gen_ai.usage.output_tokens.
+GENERATE_USAGE_DISCARDED_OUTPUT_TOKENS = "generate.usage.discarded_output_tokens"
+#: The custom_generate that ran: the repository or directory given, or the callable's qualified name.
+GENERATE_CUSTOM_GENERATE = "generate.custom_generate"
+#: The candidate generator of assisted decoding (transformers' class name, e.g. ``MTPCandidateGenerator``).
+GENERATE_ASSISTED_GENERATOR = "generate.assisted.generator"
 
 # Values of ``generate.strategy`` (transformers' decoding methods, see GenerationMixin.generate).
 STRATEGY_GREEDY = "greedy"
@@ -64,11 +74,32 @@ STRATEGY_SAMPLE = "sample"
 STRATEGY_BEAM_SEARCH = "beam_search"
 STRATEGY_BEAM_SAMPLE = "beam_sample"
 STRATEGY_ASSISTED = "assisted"
+#: A ``custom_generate`` callable, directory or repository (see ``generate.custom_generate``).
+STRATEGY_CUSTOM_GENERATE = "custom_generate"
 # Decoding methods transformers 4.x runs itself and 5.x moved to ``custom_generate`` repositories.
 STRATEGY_CONTRASTIVE_SEARCH = "contrastive_search"
 STRATEGY_GROUP_BEAM_SEARCH = "group_beam_search"
 STRATEGY_CONSTRAINED_BEAM_SEARCH = "constrained_beam_search"
 STRATEGY_DOLA = "dola"
+
+# --- this package: inner-call spans ---------------------------------------------------------------
+#: One span per inner ``generate()`` call when a request ran several (Whisper windows and
+#: fallback attempts, Bark's sub-models): children of the request span, parents of their steps.
+SPAN_INNER_GENERATE = "inner_generate"
+GENERATE_CALL_INDEX = "generate.call.index"
+GENERATE_CALL_MODEL = "generate.call.model"
+GENERATE_CALL_STEPS = "generate.call.steps"
+#: Tokens this inner call generated (all its rows); not a gen_ai.usage.* name, so nothing is counted twice.
+GENERATE_CALL_OUTPUT_TOKENS = "generate.call.output_tokens"
+GENERATE_WINDOW_INDEX = "generate.window.index"
+#: Seconds of audio where the window starts (Whisper's ``seek``; the earliest row's).
+GENERATE_WINDOW_START = "generate.window.start"
+GENERATE_ATTEMPT_INDEX = "generate.attempt.index"
+GENERATE_ATTEMPT_TEMPERATURE = "generate.attempt.temperature"
+#: Whether the attempt's result was kept (for at least one row).
+GENERATE_ATTEMPT_KEPT = "generate.attempt.kept"
+GENERATE_ATTEMPT_ROWS = "generate.attempt.rows"
+GENERATE_ATTEMPT_KEPT_ROWS = "generate.attempt.kept_rows"
 
 # --- this package: step spans -----------------------------------------------------------------
 STEP_SPAN_PREFILL = "prefill"

@@ -43,6 +43,8 @@ class Telemetry:
             decoding's candidates too (not a step boundary).
         profilers: returns the :class:`~otel_generate.TokenLatencyProfiler` objects open in the
             current context.
+        active: False once ``uninstrument()`` ran: a hook left behind in another tool's chain of
+            wrappers then only calls its original.
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class Telemetry:
         self.max_step_spans = max_step_spans
         self.skip_candidate_calls = skip_candidate_calls
         self.profilers = profilers
+        self.active = True
 
 
 def get_tracer(tracer_provider: Any = None) -> trace.Tracer:
@@ -184,11 +187,16 @@ def _annotate(telemetry: Telemetry, span: Any, request: Request) -> GenerationRe
             attrs[A.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] = (request.first_chunk_ns - request.start_ns) / clock.NS_PER_S
         if request.streamer_ns is not None:
             attrs[A.GENERATE_STREAMER_DURATION] = request.streamer_ns / clock.NS_PER_S
+        if request.discarded_output_tokens is not None:
+            attrs[A.GENERATE_USAGE_DISCARDED_OUTPUT_TOKENS] = request.discarded_output_tokens
         if request.timed:
-            attrs[A.GENERATE_STEPS] = len(latencies_ns)
             attrs[A.GENERATE_SYNCHRONIZED] = request.synchronized
             if request.device is not None:
                 attrs[A.GENERATE_DEVICE] = request.device
+            if request.unobserved is not None:
+                attrs[A.GENERATE_STEPS_UNOBSERVED] = request.unobserved
+            else:
+                attrs[A.GENERATE_STEPS] = len(latencies_ns)
             if ttft_ns is not None:
                 attrs[A.GENERATE_TIME_TO_FIRST_TOKEN] = ttft_ns / clock.NS_PER_S
             if tpot_ns is not None:
@@ -219,24 +227,41 @@ def _annotate(telemetry: Telemetry, span: Any, request: Request) -> GenerationRe
 
 
 def _emit_steps(telemetry: Telemetry, span: Any, request: Request, latencies_ns: Sequence[int]) -> None:
-    """One span per step (the first ``max_step_spans``), children of the request span."""
+    """The inner-call spans (when the request ran several loops) and one span per step (the first
+    ``max_step_spans``), each step a child of its inner-call span, else of the request span."""
     steps = len(latencies_ns)
     emitted = min(steps, telemetry.max_step_spans)
-    span.set_attribute(A.GENERATE_STEP_SPANS_DROPPED, steps - emitted)
+    if request.unobserved is None:
+        span.set_attribute(A.GENERATE_STEP_SPANS_DROPPED, steps - emitted)
+    tracer = telemetry.tracer
+    wall_offset = request.start_wall_ns - request.start_ns
+    parent = trace.set_span_in_context(span)
+    parents = [parent] * emitted
+    for call in request.calls:
+        group = tracer.start_span(
+            A.SPAN_INNER_GENERATE,
+            context=parent,
+            kind=SpanKind.INTERNAL,
+            start_time=call.start_ns + wall_offset,
+            attributes=call.attributes,
+        )
+        group.end(end_time=(call.end_ns if call.end_ns is not None else request.end_ns) + wall_offset)
+        context = trace.set_span_in_context(group)
+        for index in range(call.first_step, min(call.first_step + call.steps, emitted)):
+            parents[index] = context
     if not emitted:
         return
-    start_tracer_span = telemetry.tracer.start_span
-    parent = trace.set_span_in_context(span)
-    wall_offset = request.start_wall_ns - request.start_ns
+    start_tracer_span = tracer.start_span
     bounds = request.step_bounds_ns()
     tokens = request.step_tokens
+    prefill = request.prefill_indices()
     token_index = 0
     for index in range(emitted):
-        phase = A.PHASE_PREFILL if index == 0 else A.PHASE_DECODE
+        phase = A.PHASE_PREFILL if index in prefill else A.PHASE_DECODE
         start, end = bounds[index]
         step = start_tracer_span(
             phase,
-            context=parent,
+            context=parents[index],
             kind=SpanKind.INTERNAL,
             start_time=start + wall_offset,
             attributes={

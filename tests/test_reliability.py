@@ -350,13 +350,13 @@ def test_two_thousand_requests_do_not_grow_memory_held_by_the_package(gpt2, mete
     assert counter.requests == 2000 and counter.steps == 4000
     # a constant (caches, the fault log) is allowed; 1800 requests leaking even 3 bytes each is not
     assert after_2000 - after_200 <= 4096, (after_200, after_2000)
-    assert _alive(generate_loop.GenerateCall) == [] and _alive(_recorder.StepRecorder) == []
+    assert _alive(generate_loop.Call) == _alive(generate_loop.Loop) == [] and _alive(_recorder.StepRecorder) == []
     assert generate_loop._ACTIVE.get() is None
     assert otel_context.get_current() == before
 
 
 def test_request_state_dies_with_its_request(instrumented, span_exporter, gpt2):
-    """No GenerateRequest or StepRecorder outlives its generate() call, not even until the next gc run.
+    """No Call, Loop or StepRecorder outlives its generate() call, not even until the next gc run.
 
     The request holds the prompt tensors and the user's keyword arguments (device memory for a GPU
     model); a reference cycle would keep them until a cyclic garbage collection, which for objects
@@ -364,15 +364,14 @@ def test_request_state_dies_with_its_request(instrumented, span_exporter, gpt2):
     """
     ids, mask = prompt(length=5)
     created = []
-    init_request, init_recorder = generate_loop.GenerateCall.__init__, _recorder.StepRecorder.__init__
+    originals = {cls: cls.__init__ for cls in (generate_loop.Call, generate_loop.Loop, _recorder.StepRecorder)}
 
-    def track_request(self, *args, **kwargs):
-        created.append(weakref.ref(self))
-        init_request(self, *args, **kwargs)
+    def tracking(cls):
+        def init(self, *args, **kwargs):
+            created.append(weakref.ref(self))
+            originals[cls](self, *args, **kwargs)
 
-    def track_recorder(self, *args, **kwargs):
-        created.append(weakref.ref(self))
-        init_recorder(self, *args, **kwargs)
+        return init
 
     cases = [
         dict(max_new_tokens=3),
@@ -382,8 +381,8 @@ def test_request_state_dies_with_its_request(instrumented, span_exporter, gpt2):
     ]
     gc.collect()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(generate_loop.GenerateCall, "__init__", track_request)
-        patch.setattr(_recorder.StepRecorder, "__init__", track_recorder)
+        for cls in originals:
+            patch.setattr(cls, "__init__", tracking(cls))
         gc.disable()
         try:
             for kwargs in cases:

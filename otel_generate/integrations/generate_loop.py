@@ -1,14 +1,25 @@
-"""Producer: transformers' ``GenerationMixin.generate`` loop.
+"""Producer: one user call of ``generate()``, and the decoding loops it runs.
 
-Three methods of ``transformers.generation.utils.GenerationMixin`` are wrapped (by
-:class:`otel_generate.GenerateInstrumentor`):
+A user's ``model.generate(...)`` is one request (a :class:`Call`), whatever class it was called
+on: ``GenerationMixin.generate`` itself, a model class's own ``generate()`` (Whisper, Blip-2,
+Bark, MusicGen, ...; see :mod:`.overrides`) or a ``custom_generate`` function. Each decoding
+loop inside it is a :class:`Loop`: normally exactly one, the ``GenerationMixin.generate`` the
+user called; several when a model's ``generate()`` calls the base one per window or per
+fallback attempt (Whisper) or per sub-model (Bark). The loops' steps, tokens and finish reasons
+are assembled into one :class:`~otel_generate.request.Request`, handed to
+:func:`otel_generate.emit.finish` when the user call returns.
 
-* ``generate``: the outermost call is one request (:class:`GenerateCall`): its span starts on
-  entry, its record is finished and handed to :func:`otel_generate.emit.finish` on return;
-* ``_prepare_generated_length``: the effective ``GenerationConfig`` and the prompt width;
-* ``_get_stopping_criteria``: the criteria list becomes a
-  :class:`~otel_generate.integrations.step_hook.RecordingCriteriaList`, whose call at the end
-  of every decoding iteration is the step boundary (the only per-step code).
+Hooks, installed by :class:`otel_generate.GenerateInstrumentor` as plain functions that the
+compiler does not trace (``torch.compiler.disable(recursive=False)``: under
+``torch.compile(model.generate)`` they still run, eagerly):
+
+* ``GenerationMixin.generate`` (:func:`make_generate`): a request, or one loop of the request
+  in progress;
+* ``GenerationMixin._prepare_generated_length``: the loop's effective ``GenerationConfig`` and
+  prompt width;
+* ``GenerationMixin._get_stopping_criteria``: the criteria list becomes a
+  :class:`~otel_generate.integrations.step_hook.RecordingCriteriaList`, whose call at the end of
+  every decoding iteration is the step boundary (the only per-step code).
 
 Token counts are read from the tensors here (:mod:`otel_generate.tokens`); everything else
 about telemetry is :mod:`otel_generate.emit`'s.
@@ -20,7 +31,7 @@ import contextvars
 import functools
 import inspect
 import logging
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import wrapt
 from opentelemetry import context as otel_context
@@ -30,7 +41,7 @@ from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 from otel_generate import attributes as A
 from otel_generate import clock, emit
 from otel_generate._faults import log_fault_once
-from otel_generate.request import Request
+from otel_generate.request import InnerCall, Request
 from otel_generate.tokens import (
     count_input_tokens,
     count_new_tokens,
@@ -44,14 +55,20 @@ _LOG = logging.getLogger("otel_generate")
 MODULE = "transformers.generation.utils"
 CLASS = "GenerationMixin"
 
-#: The call of the ``generate()`` running in this context, ``_NESTED`` inside a ``generate()``
-#: that another instrumented call started (an assistant model, a ``super().generate()``), or ``None``.
+#: The innermost instrumented frame running in this context: a :class:`Loop`, the :class:`Call`
+#: itself while no loop is open, ``_NESTED`` inside a ``generate()`` that runs within a step of
+#: a loop (an assistant model, a per-step depth decoder), or ``None``.
 _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("otel_generate_active_request", default=None)
 _NESTED = object()
 
 #: Strategies whose stopping-criteria rows are the returned sequences (beam search checks
 #: flattened candidate beams instead).
-_ROW_ALIGNED = (A.STRATEGY_GREEDY, A.STRATEGY_SAMPLE, A.STRATEGY_ASSISTED)
+_ROW_ALIGNED = (A.STRATEGY_GREEDY, A.STRATEGY_SAMPLE, A.STRATEGY_ASSISTED, A.STRATEGY_CUSTOM_GENERATE)
+#: Decoding methods that transformers 5.x runs as ``custom_generate`` repositories: their name
+#: is kept as the strategy when their repository's loop runs.
+_HUB_MODES = (
+    A.STRATEGY_CONTRASTIVE_SEARCH, A.STRATEGY_GROUP_BEAM_SEARCH, A.STRATEGY_CONSTRAINED_BEAM_SEARCH, A.STRATEGY_DOLA,
+)
 
 #: Keywords this package adds to ``generate()``; they never reach transformers.
 CALLBACK_KWARG = "per_token_latency_callback"
@@ -65,7 +82,11 @@ def model_name(model: Any) -> str:
 
 
 def strategy_of(generation_config: Any, assistant_model: Any) -> str:
-    """``generate.strategy`` from the effective ``GenerationConfig`` (after generate() merged its kwargs)."""
+    """``generate.strategy`` from the effective ``GenerationConfig`` (after generate() merged its kwargs).
+
+    Follows ``GenerationConfig.get_generation_mode``: an assistant model, prompt lookup, early
+    exit or multi-token prediction (``use_mtp``) make it ``assisted``.
+    """
     if (
         assistant_model is not None
         or getattr(generation_config, "prompt_lookup_num_tokens", None) is not None
@@ -96,15 +117,56 @@ def assisted_calls_criteria_on_candidates(mixin: Any) -> bool:
         return False
 
 
-class GenerateCall:
-    """Producer state of one instrumented ``generate()`` call (created by the generate wrapper).
+def custom_generate_name(value: Any) -> Optional[str]:
+    """``generate.custom_generate``: a repository or directory as given, a callable's qualified name."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    function = getattr(value, "func", value)  # functools.partial
+    module = getattr(function, "__module__", None)
+    name = getattr(function, "__qualname__", None) or type(function).__name__
+    return f"{module}.{name}" if module else name
 
-    It starts the request span, learns the configuration and the prompt width from the hooks,
-    installs the step recorder, and at the end fills a :class:`~otel_generate.request.Request`
-    from the tensors and hands it to :func:`otel_generate.emit.finish`.
+
+def _is_tensor(value: Any) -> bool:
+    return hasattr(value, "dim") and hasattr(value, "shape") and hasattr(value, "tolist")
+
+
+def _sequences(result: Any) -> Any:
+    sequences = result if _is_tensor(result) else getattr(result, "sequences", None)
+    return sequences if _is_tensor(sequences) and sequences.dim() == 2 else None
+
+
+# --- one user call -------------------------------------------------------------------------------
+
+
+class Call:
+    """Producer state of one user call of ``generate()``: the request span, the record, its loops.
+
+    Args:
+        telemetry: from ``instrument()``.
+        model: the model the user called ``generate()`` on (names the request).
+        args, kwargs: the call's arguments (``self``/``model`` excluded); ``kwargs`` is the dict
+            passed on to the original, so a streamer in it is replaced by a timing proxy.
+        extras: this package's own ``generate()`` keywords, already removed from ``kwargs``.
+        custom_generate: the ``custom_generate`` that the call runs (a string or a callable).
+
+    Raises:
+        Whatever starting the span or the first clock read raises (a broken span processor): the
+        caller then runs ``generate()`` uninstrumented, and the started span is ended marked
+        incomplete.
     """
 
-    def __init__(self, telemetry: emit.Telemetry, model: Any, args: tuple, kwargs: dict, extras: dict) -> None:
+    def __init__(
+        self,
+        telemetry: emit.Telemetry,
+        model: Any,
+        args: tuple,
+        kwargs: dict,
+        extras: dict,
+        custom_generate: Any = None,
+    ) -> None:
         self.telemetry = telemetry
         self.model = model
         self.args = args
@@ -114,14 +176,12 @@ class GenerateCall:
         self.track = bool(track)  # the generate() keyword overrides the GenerationConfig, as for every option
         self.profilers = tuple(telemetry.profilers())
         self.name = model_name(model)
-        self.generation_config: Any = None
-        self.prompt_length: Optional[int] = None
-        self.inputs_tensor: Any = None
-        self.model_input_name: Any = None
-        self.recorder: Any = None
-        self.criteria: Any = None
+        self.loops: List[Loop] = []
+        self.custom_generate = custom_generate_name(custom_generate if custom_generate is not None else kwargs.get("custom_generate"))
         self.sync: Optional[Callable[[], None]] = None
         self.streamer: Optional[_TimedStreamer] = None
+        self.whisper: Optional[Dict[str, Any]] = None  # the current Whisper window (see .whisper)
+        self._submodules: Optional[set] = None
 
         self.span = emit.start_request_span(telemetry, self.name)
         try:
@@ -155,58 +215,63 @@ class GenerateCall:
         if streamer is not None:
             self.request.parameters[A.GEN_AI_REQUEST_STREAM] = True
             if self.timed:
-                self.streamer = kwargs["streamer"] = _TimedStreamer(streamer, self.request.start_ns)
+                self.streamer = kwargs["streamer"] = _TimedStreamer(streamer)
         self._context_token = otel_context.attach(trace.set_span_in_context(self.span))
 
-    # --- hooks called from inside generate() ------------------------------------------------
     def _user_generation_config(self) -> Any:
         config = self.kwargs.get("generation_config")
-        if config is None and len(self.args) > 1:
+        if config is None and len(self.args) > 1 and not _is_tensor(self.args[1]):
             config = self.args[1]
         if config is None:
             config = getattr(self.model, "generation_config", None)
         return config
 
-    def on_generated_length(
-        self, generation_config: Any, input_ids_length: Any, inputs_tensor: Any, model_input_name: Any
-    ) -> None:
-        """From ``GenerationMixin._prepare_generated_length``: the effective config and prompt width."""
-        self.generation_config = generation_config
-        if input_ids_length is not None:
-            self.prompt_length = int(input_ids_length)
-        self.inputs_tensor = inputs_tensor
-        self.model_input_name = model_input_name
+    def owns(self, model: Any) -> bool:
+        """Whether ``model``'s ``generate()`` is part of this request: the model itself or one of its
+        submodules (Blip-2's language model, Bark's sub-models); walked once, when first needed."""
+        if model is self.model:
+            return True
+        if self._submodules is None:
+            modules = getattr(self.model, "modules", None)
+            try:
+                self._submodules = {id(m) for m in modules()} if callable(modules) else set()
+            except Exception:
+                self._submodules = set()
+        return id(model) in self._submodules
 
-    def recording_criteria(self, criteria: Any, generation_config: Any) -> Any:
-        """``_get_stopping_criteria``'s list, as a :class:`RecordingCriteriaList` feeding this request."""
-        from otel_generate.integrations.step_hook import RecordingCriteriaList, StepRecorder
+    def open_loop(self, model: Any, kwargs: dict, implicit: bool = False, start_ns: Optional[int] = None) -> "Loop":
+        """A new decoding loop of this request, started now (or at ``start_ns``)."""
+        loop = Loop(self, model, kwargs, implicit, start_ns)
+        self.loops.append(loop)
+        if self.whisper is not None:
+            from otel_generate.integrations.whisper import open_attempt
 
-        if self.generation_config is None:
-            self.generation_config = generation_config
-        strategy = self.strategy()
-        self.recorder = StepRecorder(
-            self.sync,
-            clock.monotonic_ns,
-            self.request.start_ns,
-            self.prompt_length if self.prompt_length is not None else 0,
-            self._on_fault,
-            self.callback,
-            skip_candidate_calls=self.telemetry.skip_candidate_calls and strategy == A.STRATEGY_ASSISTED,
-            # one is_done row per returned sequence (not beam search's flattened candidates)
-            keep_done=strategy in _ROW_ALIGNED,
-        )
-        self.criteria = RecordingCriteriaList(criteria, self.recorder)
-        return self.criteria
+            open_attempt(self, loop)
+        return loop
 
-    def _on_fault(self, kind: str, exc: BaseException) -> None:
+    def implicit_loop(self, model: Any) -> "Loop":
+        """The loop of a ``generate()`` that runs the GenerationMixin helpers without
+        ``GenerationMixin.generate`` (MusicGen, RAG-token, Dia): opened by the first helper."""
+        if self.loops and self.loops[-1].implicit and not self.loops[-1].closed:
+            return self.loops[-1]
+        return self.open_loop(model, {}, implicit=True)
+
+    def on_fault(self, kind: str, exc: BaseException) -> None:
         if kind == "step hook":
             self.request.incomplete = True
         log_fault_once(kind, exc)
 
-    def strategy(self) -> Optional[str]:
-        if self.generation_config is None:
-            return None
-        return strategy_of(self.generation_config, self.kwargs.get("assistant_model"))
+    def _synchronize(self) -> None:
+        """Wait for the device; a failing synchronize is logged once, then no longer used."""
+        if self.sync is None:
+            return
+        try:
+            self.sync()
+        except Exception as fault:
+            self.sync = None
+            self.request.synchronized = False
+            self.request.incomplete = True
+            log_fault_once("device synchronize", fault)
 
     # --- the end --------------------------------------------------------------------------
     def finish(self, result: Any = None, exc: Optional[BaseException] = None) -> Any:
@@ -219,7 +284,7 @@ class GenerateCall:
         try:
             self._synchronize()
             request.end_ns = clock.monotonic_ns()
-            self._account(result, exc)
+            self._assemble(result, exc)
         except Exception as fault:
             request.incomplete = True
             log_fault_once("request accounting", fault)
@@ -245,56 +310,278 @@ class GenerateCall:
                     object.__setattr__(result, "token_latencies", list(record.step_latencies_s))
             except Exception as fault:
                 log_fault_once("token_latencies", fault)
-        # The recorder's fault callback is bound to this call, and the exception's traceback holds the
-        # wrapper's frame (reference cycles): drop both, so the call (prompt tensors, the caller's
+        # The loops' recorders call back into this call, and the exception's traceback holds the
+        # wrappers' frames (reference cycles): drop both, so the call (prompt tensors, the caller's
         # kwargs) is freed when generate() returns, not at a later gc.
-        self.recorder = self.criteria = None
+        for loop in self.loops:
+            loop.release()
+        self.loops = []
         request.error = None
         return result
 
-    def _synchronize(self) -> None:
-        """Wait for the device; a failing synchronize is logged once, then no longer used."""
-        if self.sync is None:
-            return
-        try:
-            self.sync()
-        except Exception as fault:
-            self.sync = None
-            self.request.synchronized = False
-            self.request.incomplete = True
-            log_fault_once("device synchronize", fault)
-
-    def _account(self, result: Any, exc: Optional[BaseException]) -> None:
-        """Fill the record from the hooks' data and the returned tensor."""
+    def _assemble(self, result: Any, exc: Optional[BaseException]) -> None:
+        """Fill the record from the loops that ran (or from the call itself when none could be seen)."""
         request = self.request
         params = request.parameters
+        loops = [loop for loop in self.loops if loop.observed()]
+        if self.custom_generate is not None:
+            params[A.GENERATE_CUSTOM_GENERATE] = self.custom_generate
+        if not loops:
+            self._account_unobserved(result, exc)
+            return
+        first = loops[0]
+        for loop in loops:
+            if loop.end_ns is None:  # an implicit loop, or a loop cut short by an exception
+                loop.end_ns = request.end_ns
+            loop.account(None if len(loops) > 1 or loop.model is not self.model else result, exc)
+        params.update(first.parameters)
+        if first.assisted_generator is not None:
+            params[A.GENERATE_ASSISTED_GENERATOR] = first.assisted_generator
+        request.input_tokens = first.input_tokens
+
+        # steps: concatenated in call order; indices and token positions continue across loops
+        ends: List[int] = []
+        starts: List[int] = []
+        tokens: List[int] = []
+        for loop in loops:
+            previous = loop.start_ns
+            for end, count in zip(loop.step_ends_ns, loop.step_tokens):
+                starts.append(previous)
+                ends.append(end)
+                tokens.append(count)
+                previous = end
+        request.step_ends_ns, request.step_starts_ns, request.step_tokens = ends, starts, tokens
+        if self.timed and exc is None and any(loop.unobserved for loop in loops) and not ends:
+            request.unobserved = next(loop.unobserved for loop in loops if loop.unobserved)
+        if len(loops) == 1:
+            request.output_tokens_per_sequence = first.per_sequence
+            request.output_tokens = first.output_tokens
+            request.finish_reasons = first.finish_reasons
+            if self.timed and exc is None and first.incomplete:
+                request.incomplete = True
+            return
+
+        # several loops: one grouping span each, tokens summed, Whisper's kept decisions applied
+        from otel_generate.integrations.whisper import attempt_attributes
+
+        index = 0
+        total = discarded = 0
+        counted = False
+        for number, loop in enumerate(loops):
+            attributes: Dict[str, Any] = {
+                A.GENERATE_CALL_INDEX: number,
+                A.GENERATE_CALL_MODEL: model_name(loop.model),
+                A.GENERATE_CALL_STEPS: len(loop.step_ends_ns),
+            }
+            if loop.parameters.get(A.GENERATE_STRATEGY) is not None:
+                attributes[A.GENERATE_STRATEGY] = loop.parameters[A.GENERATE_STRATEGY]
+            kept_rows = None
+            if loop.whisper is not None:
+                extra, kept_rows = attempt_attributes(loop)
+                attributes.update(extra)
+            if loop.output_tokens is not None:
+                counted = True
+                attributes[A.GENERATE_CALL_OUTPUT_TOKENS] = loop.output_tokens
+                total += loop.output_tokens
+                if kept_rows is not None:
+                    discarded += sum(
+                        count for row, count in enumerate(loop.per_sequence) if row not in kept_rows
+                    )
+            request.calls.append(
+                InnerCall(
+                    start_ns=loop.start_ns,
+                    end_ns=loop.end_ns,
+                    first_step=index,
+                    steps=len(loop.step_ends_ns),
+                    output_tokens=loop.output_tokens,
+                    attributes=attributes,
+                )
+            )
+            index += len(loop.step_ends_ns)
+            if self.timed and exc is None and loop.incomplete:
+                request.incomplete = True
+        if counted:
+            request.output_tokens = total
+            if any(loop.whisper is not None for loop in loops):
+                request.discarded_output_tokens = discarded
+        last = loops[-1]
+        request.finish_reasons = last.finish_reasons
+
+    def _account_unobserved(self, result: Any, exc: Optional[BaseException]) -> None:
+        """No decoding loop could be seen (a ``custom_generate`` or a model's own loop): count the
+        tokens from the call's token input and its output, and say why there are no steps."""
+        request = self.request
+        if exc is None:
+            request.unobserved = A.UNOBSERVED_CUSTOM_GENERATE if self.custom_generate is not None else A.UNOBSERVED_MODEL_LOOP
+        inputs = self.kwargs.get("input_ids", self.kwargs.get("inputs"))
+        if inputs is None and self.args and _is_tensor(self.args[0]):
+            inputs = self.args[0]
+        if not _is_tensor(inputs) or inputs.dim() != 2 or inputs.is_floating_point():
+            return  # audio, pixels, embeddings: no token input to count
+        config = self._user_generation_config()
+        eos = self.kwargs.get("eos_token_id", getattr(config, "eos_token_id", None))
+        pad = self.kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
+        mask = self.kwargs.get("attention_mask")
+        request.parameters[A.GENERATE_BATCH_SIZE] = int(inputs.shape[0])
+        request.input_tokens = count_input_tokens(inputs, mask, pad, eos)
+        sequences = _sequences(result)
+        if sequences is None or getattr(self.model.config, "is_encoder_decoder", False):
+            return
+        width = int(inputs.shape[-1])
+        if sequences.shape[-1] < width:
+            return
+        max_new = self.kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+        per_sequence = count_new_tokens(sequences, width, eos, pad)
+        request.output_tokens_per_sequence = per_sequence
+        request.output_tokens = int(sum(per_sequence))
+        request.finish_reasons = finish_reasons(sequences, width, per_sequence, max_new, eos)
+        if max_new is not None:
+            request.parameters[A.GEN_AI_REQUEST_MAX_TOKENS] = int(max_new)
+
+
+# --- one decoding loop ---------------------------------------------------------------------------
+
+
+class Loop:
+    """One decoding loop of a request: a ``GenerationMixin.generate`` call, or the implicit loop of
+    a model that runs the GenerationMixin helpers itself. Filled by the helper hooks; accounted
+    from its own result tensor when it ends."""
+
+    def __init__(self, call: Call, model: Any, kwargs: dict, implicit: bool, start_ns: Optional[int] = None) -> None:
+        self.call = call
+        self.model = model
+        self.kwargs = kwargs
+        self.implicit = implicit
+        self.start_ns = clock.monotonic_ns() if start_ns is None else start_ns
+        self.end_ns: Optional[int] = None
+        self.closed = False
+        self.generation_config: Any = None
+        self.prompt_length: Optional[int] = None
+        self.inputs_tensor: Any = None
+        self.model_input_name: Any = None
+        self.recorder: Any = None
+        self.criteria: Any = None
+        self.assisted_generator: Optional[str] = None
+        self.whisper: Optional[Dict[str, Any]] = None  # window and attempt, see .whisper
+        self.whisper_attempt = 0
+        self.whisper_decisions: Dict[int, tuple] = {}
+        self.result: Any = None
+        # what account() fills
+        self.step_ends_ns: List[int] = []
+        self.step_tokens: List[int] = []
+        self.parameters: Dict[str, Any] = {}
+        self.input_tokens: Optional[int] = None
+        self.output_tokens: Optional[int] = None
+        self.per_sequence: List[int] = []
+        self.finish_reasons: Optional[List[str]] = None
+        self.unobserved: Optional[str] = None
+        self.incomplete = False
+        # the temperature of this attempt, read now: Whisper changes the same config for the next one
+        config = kwargs.get("generation_config")
+        self.temperature: Optional[float] = None
+        if config is not None:
+            self.temperature = float(config.temperature or 0.0) if getattr(config, "do_sample", False) else 0.0
+
+    @property
+    def running(self) -> bool:
+        """Its decoding loop has started (the stopping criteria are installed) and not ended."""
+        return self.criteria is not None and not self.closed
+
+    def observed(self) -> bool:
+        """Whether this loop reached the decoding machinery (a dispatching call, e.g. the outer
+        ``generate(custom_generate="dir")``, never does)."""
+        return self.generation_config is not None or self.recorder is not None
+
+    def release(self) -> None:
+        self.recorder = self.criteria = self.result = None
+
+    # --- hooks called from inside generate() ------------------------------------------------
+    def on_generated_length(
+        self, generation_config: Any, input_ids_length: Any, inputs_tensor: Any, model_input_name: Any
+    ) -> None:
+        """From ``GenerationMixin._prepare_generated_length``: the effective config and prompt width."""
+        self.generation_config = generation_config
+        if input_ids_length is not None:
+            self.prompt_length = int(input_ids_length)
+        self.inputs_tensor = inputs_tensor
+        self.model_input_name = model_input_name
+
+    def recording_criteria(self, criteria: Any, generation_config: Any) -> Any:
+        """``_get_stopping_criteria``'s list, as a :class:`RecordingCriteriaList` feeding this loop."""
+        from otel_generate.integrations.step_hook import RecordingCriteriaList, StepRecorder
+
+        if self.generation_config is None:
+            self.generation_config = generation_config
+        strategy = self.strategy()
+        call = self.call
+        self.recorder = StepRecorder(
+            call.sync,
+            clock.monotonic_ns,
+            self.start_ns,
+            self.prompt_length if self.prompt_length is not None else 0,
+            call.on_fault,
+            call.callback,
+            skip_candidate_calls=call.telemetry.skip_candidate_calls and strategy == A.STRATEGY_ASSISTED,
+            # one is_done row per returned sequence (not beam search's flattened candidates)
+            keep_done=strategy in _ROW_ALIGNED,
+            token_offset=sum(sum(loop.step_tokens or _tokens_so_far(loop)) for loop in call.loops if loop is not self),
+        )
+        self.criteria = RecordingCriteriaList(criteria, self.recorder)
+        return self.criteria
+
+    def strategy(self) -> Optional[str]:
+        if self.generation_config is None:
+            return None
+        custom = self.kwargs.get("custom_generate")
+        strategy = strategy_of(self.generation_config, self.kwargs.get("assistant_model"))
+        if custom is not None and not isinstance(custom, str) and strategy not in _HUB_MODES:
+            return A.STRATEGY_CUSTOM_GENERATE  # a callable loop ran instead of transformers' own
+        return strategy
+
+    def close(self, result: Any = None, read_clock: bool = True) -> None:
+        """The loop returned (``result``) or raised; ``read_clock=False`` when it ends with its
+        request, whose (synchronized) end time it then takes."""
+        self.closed = True
+        self.result = result
+        if read_clock:
+            self.call._synchronize()
+            self.end_ns = clock.monotonic_ns()
+
+    # --- the end --------------------------------------------------------------------------
+    def account(self, call_result: Any, exc: Optional[BaseException]) -> None:
+        """Steps, tokens and parameters of this loop, from the hooks' data and its result tensor
+        (its own result; for an implicit loop, ``call_result`` when it is the loop's output)."""
+        call = self.call
+        params = self.parameters
         config = self.generation_config
         strategy = self.strategy()
         if strategy is not None:
             params[A.GENERATE_STRATEGY] = strategy
-
-        sequences = result if _is_tensor(result) else getattr(result, "sequences", None)
+        sequences = _sequences(self.result if self.result is not None else call_result)
         prompt_length = self.prompt_length
 
         # --- steps ------------------------------------------------------------------------
         times: List[int] = []
         lengths: List[int] = []
         done: List[Any] = []
-        if self.recorder is not None:
-            times = list(self.recorder.times_ns)
-            lengths = list(self.recorder.lengths)
-            done = list(self.recorder.done)
-            if sequences is not None and strategy in _ROW_ALIGNED and _is_tensor(sequences):
+        recorder = self.recorder
+        if recorder is not None:
+            times = list(recorder.times_ns)
+            lengths = list(recorder.lengths)
+            done = list(recorder.done)
+            if sequences is not None and strategy in _ROW_ALIGNED:
                 # steps that transformers undid (MPS's deferred stop check) are not in the output
                 final = int(sequences.shape[-1])
                 while lengths and lengths[-1] > final:
                     del lengths[-1], times[-1], done[-1:]
-        elif self.timed and exc is None:
-            request.incomplete = True  # the stopping-criteria hook was never reached
-        if self.timed and exc is None and prompt_length is None:
-            request.incomplete = True  # the prompt width was never learned: no token accounting
-        request.step_ends_ns = times
-        request.step_tokens = step_tokens(lengths, prompt_length if prompt_length is not None else 0)
+            if not times and exc is None and self.kwargs.get("custom_generate") is not None:
+                self.unobserved = A.UNOBSERVED_CUSTOM_GENERATE  # the custom loop never called the criteria
+        elif call.timed and exc is None:
+            self.incomplete = True  # the stopping-criteria hook was never reached
+        if call.timed and exc is None and prompt_length is None:
+            self.incomplete = True  # the prompt width was never learned: no token accounting
+        self.step_ends_ns = times
+        self.step_tokens = step_tokens(lengths, prompt_length if prompt_length is not None else 0)
 
         # --- token accounting from the tensors themselves -----------------------------------
         eos = pad = max_new = None
@@ -304,21 +591,22 @@ class GenerateCall:
             max_new = getattr(config, "max_new_tokens", None)
             if max_new is None and getattr(config, "max_length", None) is not None and prompt_length is not None:
                 max_new = int(config.max_length) - prompt_length
-        if self.inputs_tensor is not None and _is_tensor(self.inputs_tensor) and self.inputs_tensor.dim() >= 2:
-            params[A.GENERATE_BATCH_SIZE] = int(self.inputs_tensor.shape[0])
+        inputs = self.inputs_tensor
+        if _is_tensor(inputs) and inputs.dim() >= 2:
+            params[A.GENERATE_BATCH_SIZE] = int(inputs.shape[0])
             # tokens only for token inputs: not for audio features or pixels (Whisper, vision encoders)
             if self.model_input_name in (None, "input_ids", "inputs_embeds"):
-                request.input_tokens = count_input_tokens(self.inputs_tensor, self.kwargs.get("attention_mask"), pad, eos)
-        if sequences is not None and prompt_length is not None and _is_tensor(sequences) and sequences.dim() == 2:
+                self.input_tokens = count_input_tokens(inputs, self.kwargs.get("attention_mask"), pad, eos)
+        if sequences is not None and prompt_length is not None and sequences.shape[-1] >= prompt_length:
             per_sequence = None
-            if done and len(done) == len(lengths) and self.recorder.fault is None:
+            if done and len(done) == len(lengths) and recorder.fault is None:
                 # exact: each row ends at the step where a stopping criterion first said so
                 per_sequence = counts_from_done(done, lengths, prompt_length, sequences)
             if per_sequence is None:  # beams, or no step data: read it off the tensor
                 per_sequence = count_new_tokens(sequences, prompt_length, eos, pad)
-            request.output_tokens_per_sequence = per_sequence
-            request.output_tokens = int(sum(per_sequence))
-            request.finish_reasons = finish_reasons(
+            self.per_sequence = per_sequence
+            self.output_tokens = int(sum(per_sequence))
+            self.finish_reasons = finish_reasons(
                 sequences, prompt_length, per_sequence, max_new, eos,
                 forced_eos_token_id=getattr(config, "forced_eos_token_id", None),
                 budget_rows=self._rows_out_of_time(lengths, prompt_length, per_sequence),
@@ -341,10 +629,12 @@ class GenerateCall:
                         params[key] = float(value)
             stop_strings = getattr(config, "stop_strings", None)
             if stop_strings:
-                params[A.GEN_AI_REQUEST_STOP_SEQUENCES] = [stop_strings] if isinstance(stop_strings, str) else [str(s) for s in stop_strings]
-        if self.streamer is not None:
-            request.first_chunk_ns = self.streamer._self_first_chunk_ns
-            request.streamer_ns = self.streamer._self_inside_ns
+                params[A.GEN_AI_REQUEST_STOP_SEQUENCES] = (
+                    [stop_strings] if isinstance(stop_strings, str) else [str(s) for s in stop_strings]
+                )
+        if call.streamer is not None:
+            call.request.first_chunk_ns = call.streamer._self_first_chunk_ns
+            call.request.streamer_ns = call.streamer._self_inside_ns
 
     def _rows_out_of_time(self, lengths: List[int], prompt_length: int, counts: List[int]) -> List[int]:
         """Rows that ``max_time`` ended: still running at the last step, which ended after the deadline.
@@ -355,17 +645,24 @@ class GenerateCall:
         """
         from transformers.generation.stopping_criteria import MaxTimeCriteria
 
-        request = self.request
-        if not request.step_ends_ns or not lengths or self.criteria is None:
+        if not self.step_ends_ns or not lengths or self.criteria is None:
             return []
         deadlines = [c.initial_timestamp + c.max_time for c in self.criteria if isinstance(c, MaxTimeCriteria)]
         if not deadlines:
             return []
-        last_step_wall_s = request.wall_ns(request.step_ends_ns[-1]) / clock.NS_PER_S
+        last_step_wall_s = self.call.request.wall_ns(self.step_ends_ns[-1]) / clock.NS_PER_S
         if last_step_wall_s <= min(deadlines):
             return []
         last = lengths[-1] - prompt_length
         return [row for row, count in enumerate(counts) if count >= last]
+
+
+def _tokens_so_far(loop: Loop) -> List[int]:
+    """Tokens per step a loop has recorded so far (it may still be running)."""
+    recorder = loop.recorder
+    if recorder is None:
+        return []
+    return step_tokens(list(recorder.lengths), loop.prompt_length if loop.prompt_length is not None else 0)
 
 
 class _TimedStreamer(wrapt.ObjectProxy):
@@ -373,7 +670,7 @@ class _TimedStreamer(wrapt.ObjectProxy):
     ``isinstance``). transformers' first ``put`` is the prompt (or the decoder start tokens); the
     first ``put`` after it carries the first generated tokens."""
 
-    def __init__(self, streamer: Any, start_ns: int) -> None:
+    def __init__(self, streamer: Any) -> None:
         super().__init__(streamer)
         self._self_puts = 0
         self._self_first_chunk_ns: Optional[int] = None
@@ -397,55 +694,121 @@ class _TimedStreamer(wrapt.ObjectProxy):
             self._self_inside_ns += clock.monotonic_ns() - started
 
 
-def _is_tensor(value: Any) -> bool:
-    return hasattr(value, "dim") and hasattr(value, "shape") and hasattr(value, "tolist")
+# --- what the hooks share ------------------------------------------------------------------------
 
 
-# --- wrappers ---------------------------------------------------------------------------------
+def current_call(model: Any) -> Any:
+    """What a ``generate()`` of ``model`` starting now belongs to.
+
+    Returns ``_NESTED`` (inside a step of a running loop of the same request: an assistant
+    model, a per-step depth decoder, early exit), the active :class:`Call` when the model is
+    part of its request (itself or a submodule), or ``None`` (no request, or another model's:
+    a request of its own).
+    """
+    frame = _ACTIVE.get()
+    if frame is None:
+        return None
+    if frame is _NESTED:
+        return _NESTED
+    call = frame.call if isinstance(frame, Loop) else frame
+    if isinstance(frame, Loop) and frame.running and (
+        call.owns(model) or model is frame.kwargs.get("assistant_model")
+    ):
+        return _NESTED
+    return call if call.owns(model) else None
 
 
-def generate_wrapper(telemetry: emit.Telemetry) -> Callable:
-    """Wrapper of ``GenerationMixin.generate``: one request per outermost call."""
+def pop_extras(kwargs: dict) -> dict:
+    """Remove this package's keywords from ``kwargs``; validate them.
 
-    def wrapper(wrapped, instance, args, kwargs):
-        extras = {key: kwargs.pop(key) for key in (CALLBACK_KWARG, TRACK_KWARG) if key in kwargs}
-        callback = extras.get(CALLBACK_KWARG)
-        if callback is not None and not callable(callback):
-            raise TypeError(f"{CALLBACK_KWARG} must be callable as fn(token_index, latency_s), got {callback!r}")
-        model, model_args = instance, args
-        if model is None and args:  # called through the class: GenerationMixin.generate(model, ...)
-            model, model_args = args[0], args[1:]
-        active = _ACTIVE.get()
-        if active is _NESTED or (
-            isinstance(active, GenerateCall)
-            and (model is active.model or model is active.kwargs.get("assistant_model"))
-        ):
-            # super().generate() from an overriding model, or an assistant model's generate():
-            # part of the outer request, not a request of its own. Another model's generate()
-            # called meanwhile (say from a logits processor) is a request of its own.
-            token = _ACTIVE.set(_NESTED)
-            try:
-                return wrapped(*args, **kwargs)
-            finally:
-                _ACTIVE.reset(token)
-        if not is_instrumentation_enabled():
-            return wrapped(*args, **kwargs)
-        try:
-            call = GenerateCall(telemetry, model, model_args, kwargs, extras)
-        except Exception as fault:
-            log_fault_once("request start", fault)
-            return wrapped(*args, **kwargs)
-        token = _ACTIVE.set(call)
-        try:
-            result = wrapped(*args, **kwargs)
-        except BaseException as exc:
-            _ACTIVE.reset(token)
-            call.finish(exc=exc)
-            raise
+    Raises:
+        TypeError: ``per_token_latency_callback`` is not callable.
+    """
+    extras = {key: kwargs.pop(key) for key in (CALLBACK_KWARG, TRACK_KWARG) if key in kwargs}
+    callback = extras.get(CALLBACK_KWARG)
+    if callback is not None and not callable(callback):
+        raise TypeError(f"{CALLBACK_KWARG} must be callable as fn(token_index, latency_s), got {callback!r}")
+    return extras
+
+
+def run_request(telemetry: emit.Telemetry, original: Callable, model: Any, args: tuple, kwargs: dict,
+                loop: bool, custom_generate: Any = None, call_args: Optional[tuple] = None) -> Any:
+    """Run ``original(*call_args or (model, *args), **kwargs)`` as one request of ``model``.
+
+    ``loop``: the call itself is a decoding loop (``GenerationMixin.generate``) rather than an
+    outer ``generate()`` whose loops are inner calls.
+    """
+    call_args = (model, *args) if call_args is None else call_args
+    extras = pop_extras(kwargs)  # never passed on to transformers, even when suppressed
+    if not is_instrumentation_enabled():
+        return original(*call_args, **kwargs)
+    try:
+        call = Call(telemetry, model, args, kwargs, extras, custom_generate=custom_generate)
+    except Exception as fault:
+        log_fault_once("request start", fault)
+        return original(*call_args, **kwargs)
+    # the user's GenerationMixin.generate is the request's loop: it starts when the request does
+    frame = call.open_loop(model, kwargs, start_ns=call.request.start_ns) if loop else call
+    token = _ACTIVE.set(frame)
+    try:
+        result = original(*call_args, **kwargs)
+    except BaseException as exc:
         _ACTIVE.reset(token)
-        return call.finish(result=result)
+        if loop:
+            frame.close(read_clock=False)
+        call.finish(exc=exc)
+        raise
+    _ACTIVE.reset(token)
+    if loop:
+        frame.close(result, read_clock=False)
+    return call.finish(result=result)
 
-    return wrapper
+
+def run_inner_loop(call: Call, original: Callable, model: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``GenerationMixin.generate`` as one more decoding loop of ``call``."""
+    pop_extras(kwargs)  # already handled by the outer call
+    loop = call.open_loop(model, kwargs)
+    token = _ACTIVE.set(loop)
+    try:
+        result = original(model, *args, **kwargs)
+    except BaseException:
+        _ACTIVE.reset(token)
+        loop.close()
+        raise
+    _ACTIVE.reset(token)
+    loop.close(result)
+    return result
+
+
+def compiler_disabled(function: Callable) -> Callable:
+    """``function`` run eagerly even inside ``torch.compile``: dynamo graph-breaks at it instead of
+    tracing through it (a wrapt proxy would be inlined and skipped), and traces what it calls."""
+    try:
+        import torch
+
+        return torch.compiler.disable(function, recursive=False)
+    except Exception:  # an old torch without torch.compiler.disable(recursive=...)
+        return function
+
+
+# --- the hooks ------------------------------------------------------------------------------------
+
+
+def make_generate(original: Callable, telemetry: emit.Telemetry) -> Callable:
+    """``GenerationMixin.generate``: a request of its own, or one more loop of the request in progress."""
+
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        if not telemetry.active:
+            return original(self, *args, **kwargs)
+        owner = current_call(self)
+        if owner is _NESTED:
+            return original(self, *args, **kwargs)
+        if owner is not None:
+            return run_inner_loop(owner, original, self, args, kwargs)
+        return run_request(telemetry, original, self, args, kwargs, loop=True)
+
+    return compiler_disabled(generate)
 
 
 @functools.lru_cache(maxsize=None)
@@ -455,52 +818,77 @@ def _method_signature(function: Any) -> inspect.Signature:
     return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
-def _signature(bound_method: Any) -> inspect.Signature:
-    function = getattr(bound_method, "__func__", None)
-    return inspect.signature(bound_method) if function is None else _method_signature(function)
+def loop_for(model: Any) -> Optional[Loop]:
+    """The loop a GenerationMixin helper called on ``model`` now records into, or ``None``."""
+    frame = _ACTIVE.get()
+    if isinstance(frame, Loop):
+        return frame if frame.model is model else None
+    if isinstance(frame, Call) and frame.owns(model):
+        return frame.implicit_loop(model)
+    return None
 
 
-def prepare_generated_length_wrapper(telemetry: emit.Telemetry) -> Callable:
-    """Wrapper of ``GenerationMixin._prepare_generated_length``: learns the prompt width and config."""
+def make_prepare_generated_length(original: Callable, telemetry: emit.Telemetry) -> Callable:
+    """``GenerationMixin._prepare_generated_length``: learns the loop's config and prompt width."""
+    signature = _method_signature(original)
 
-    def wrapper(wrapped, instance, args, kwargs):
-        result = wrapped(*args, **kwargs)
-        call = _ACTIVE.get()
-        if isinstance(call, GenerateCall) and call.model is instance:
+    @functools.wraps(original)
+    def _prepare_generated_length(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        loop = loop_for(self) if telemetry.active else None
+        if loop is not None:
             try:
                 # by name, whether generate() (keywords) or an overriding model (positional) called it
-                bound = _signature(wrapped).bind(*args, **kwargs).arguments
-                call.on_generated_length(
+                bound = signature.bind(*args, **kwargs).arguments
+                loop.on_generated_length(
                     result, bound.get("input_ids_length"), bound.get("inputs_tensor"), bound.get("model_input_name")
                 )
             except Exception as fault:
                 log_fault_once("generation config capture", fault)
         return result
 
-    return wrapper
+    return compiler_disabled(_prepare_generated_length)
 
 
-def get_stopping_criteria_wrapper(telemetry: emit.Telemetry) -> Callable:
-    """Wrapper of ``GenerationMixin._get_stopping_criteria``: returns the criteria as a recording list."""
+def make_get_stopping_criteria(original: Callable, telemetry: emit.Telemetry) -> Callable:
+    """``GenerationMixin._get_stopping_criteria``: returns the criteria as a recording list."""
 
-    def wrapper(wrapped, instance, args, kwargs):
-        criteria = wrapped(*args, **kwargs)
-        call = _ACTIVE.get()
-        if isinstance(call, GenerateCall) and call.model is instance and call.timed and call.recorder is None:
+    @functools.wraps(original)
+    def _get_stopping_criteria(self, *args, **kwargs):
+        criteria = original(self, *args, **kwargs)
+        loop = loop_for(self) if telemetry.active else None
+        if loop is not None and loop.call.timed and loop.recorder is None:
             try:
                 config = kwargs.get("generation_config", args[0] if args else None)
-                return call.recording_criteria(criteria, config)
+                return loop.recording_criteria(criteria, config)
             except Exception as fault:
-                call.request.incomplete = True
+                loop.incomplete = True
                 log_fault_once("step hook install", fault)
         return criteria
 
-    return wrapper
+    return compiler_disabled(_get_stopping_criteria)
 
 
-#: method of ``GenerationMixin`` -> wrapper factory.
-WRAPPERS = {
-    "generate": generate_wrapper,
-    "_prepare_generated_length": prepare_generated_length_wrapper,
-    "_get_stopping_criteria": get_stopping_criteria_wrapper,
+def make_get_candidate_generator(original: Callable, telemetry: emit.Telemetry) -> Callable:
+    """``GenerationMixin._get_candidate_generator``: which candidate generator assisted decoding uses."""
+
+    @functools.wraps(original)
+    def _get_candidate_generator(self, *args, **kwargs):
+        generator = original(self, *args, **kwargs)
+        frame = _ACTIVE.get()
+        if telemetry.active and isinstance(frame, Loop) and frame.model is self:
+            frame.assisted_generator = type(generator).__name__
+        return generator
+
+    return compiler_disabled(_get_candidate_generator)
+
+
+#: method of ``GenerationMixin`` -> hook factory ``(original, telemetry) -> replacement``.
+HOOKS = {
+    "generate": make_generate,
+    "_prepare_generated_length": make_prepare_generated_length,
+    "_get_stopping_criteria": make_get_stopping_criteria,
+    "_get_candidate_generator": make_get_candidate_generator,
 }
+#: The hooks without which there are no step spans.
+REQUIRED = ("generate", "_prepare_generated_length", "_get_stopping_criteria")

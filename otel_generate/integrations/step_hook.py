@@ -39,6 +39,7 @@ class StepRecorder:
         on_step: Optional[Callable[[int, float], None]] = None,
         skip_candidate_calls: bool = False,
         keep_done: bool = False,
+        token_offset: int = 0,
     ) -> None:
         self.times_ns: List[int] = []
         self.lengths: List[int] = []
@@ -53,6 +54,7 @@ class StepRecorder:
         self._prompt_length = prompt_length
         self._on_fault = on_fault
         self._on_step = on_step
+        self._token_offset = token_offset  # tokens of the request's earlier inner calls
         # transformers < 4.47's _assisted_decoding also calls the criteria on the candidate
         # tokens before verifying them; those calls are not step boundaries.
         self._skip_candidate_calls = skip_candidate_calls
@@ -85,7 +87,9 @@ class StepRecorder:
         previous_time = times[-2] if len(times) > 1 else self._start_ns
         previous_length = lengths[-2] if len(lengths) > 1 else self._prompt_length
         try:
-            self._on_step(previous_length - self._prompt_length, (times[-1] - previous_time) / 1e9)
+            self._on_step(
+                previous_length - self._prompt_length + self._token_offset, (times[-1] - previous_time) / 1e9
+            )
         except Exception as exc:  # a user callback: logged once, generation and recording go on
             self._on_fault("per_token_latency_callback", exc)
 

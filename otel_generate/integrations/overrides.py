@@ -1,0 +1,102 @@
+"""Producer: ``generate()`` methods other than ``GenerationMixin.generate``.
+
+About 55 transformers model classes define their own ``generate()`` (Whisper, Blip-2, Bark,
+MusicGen, SeamlessM4T, ...), and ``custom_generate`` runs a function from a directory or a Hub
+repository. Whatever the user called is the request; the ``GenerationMixin.generate`` calls it
+makes become inner loops of that one request (:mod:`.generate_loop`).
+
+* Every ``GenerationMixin`` subclass that defines ``generate`` in its own ``__dict__`` gets it
+  replaced: the ones that exist when ``instrument()`` runs (a walk of ``__subclasses__()``) and
+  the ones created later (lazily imported model modules, ``trust_remote_code`` classes, your own
+  subclasses), through a ``GenerationMixin.__init_subclass__`` that this package adds.
+* ``GenerationMixin.load_custom_generate`` (transformers 5.x) returns the loaded function
+  wrapped the same way, which covers checkpoints that ship ``custom_generate/`` (``from_pretrained``
+  then sets ``model.generate`` on the instance, past every class-level hook).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterator
+
+from otel_generate import emit
+from otel_generate._faults import log_fault_once
+from otel_generate._patch import Patches
+from otel_generate.integrations.generate_loop import compiler_disabled, current_call, run_request
+
+
+def make_outer_generate(original: Callable, telemetry: emit.Telemetry) -> Callable:
+    """A model class's own ``generate``: the request, unless it runs inside one of the same model
+    (``super().generate()`` chains, a submodule's ``generate()``)."""
+
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        if not telemetry.active or current_call(self) is not None:
+            return original(self, *args, **kwargs)
+        return run_request(telemetry, original, self, args, kwargs, loop=False)
+
+    return compiler_disabled(generate)
+
+
+def _subclasses(root: type) -> Iterator[type]:
+    seen = set()
+    pending = [root]
+    while pending:
+        cls = pending.pop()
+        for sub in type.__subclasses__(cls):
+            if sub not in seen:
+                seen.add(sub)
+                pending.append(sub)
+                yield sub
+
+
+def _hook_class(patches: Patches, telemetry: emit.Telemetry, cls: type) -> None:
+    original = cls.__dict__.get("generate")
+    if callable(original) and not isinstance(original, (staticmethod, classmethod)):
+        patches.replace(cls, "generate", make_outer_generate, telemetry)
+
+
+def install(patches: Patches, telemetry: emit.Telemetry, mixin: type) -> None:
+    """Hook every ``generate`` override of ``mixin``'s subclasses, now and later, and ``load_custom_generate``."""
+    for cls in list(_subclasses(mixin)):
+        _hook_class(patches, telemetry, cls)
+
+    def __init_subclass__(cls, **kwargs):
+        super(mixin, cls).__init_subclass__(**kwargs)
+        if telemetry.active:
+            try:
+                _hook_class(patches, telemetry, cls)
+            except Exception as fault:  # never break class creation
+                log_fault_once("generate override hook", fault)
+
+    patches.add(mixin, "__init_subclass__", classmethod(__init_subclass__))
+    if "load_custom_generate" in mixin.__dict__:
+        patches.replace(mixin, "load_custom_generate", make_load_custom_generate, telemetry)
+
+
+def make_load_custom_generate(original: Callable, telemetry: emit.Telemetry) -> Callable:
+    """``GenerationMixin.load_custom_generate``: the loaded ``generate(model, *args, **kwargs)`` is a request."""
+
+    @functools.wraps(original)
+    def load_custom_generate(self, pretrained_model_name_or_path=None, *args, **kwargs):
+        function = original(self, pretrained_model_name_or_path, *args, **kwargs)
+        if not telemetry.active:
+            return function
+        return _custom_generate_entry(function, telemetry, pretrained_model_name_or_path)
+
+    return load_custom_generate
+
+
+def _custom_generate_entry(function: Callable, telemetry: emit.Telemetry, source: Any) -> Callable:
+    @functools.wraps(function)
+    def custom_generate(*args, **kwargs):
+        model = kwargs.get("model", args[0] if args else None)
+        if model is None or not telemetry.active or current_call(model) is not None:
+            return function(*args, **kwargs)  # called by generate(custom_generate=...): already a request
+        call_args = args
+        rest = args[1:] if "model" not in kwargs else args
+        return run_request(
+            telemetry, function, model, rest, kwargs, loop=False, custom_generate=source, call_args=call_args
+        )
+
+    return compiler_disabled(custom_generate)
