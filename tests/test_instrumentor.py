@@ -384,7 +384,7 @@ def test_text_streamer(instrumented, span_exporter, gpt2, capsys):
 
 
 def test_text_iterator_streamer_worker_keeps_callers_trace(instrumented, span_exporter, tracer_provider, gpt2):
-    """The README's pattern: run generate in a thread under a copy of the caller's context."""
+    """docs/production.md's streaming pattern: run generate in a thread under a copy of the caller's context."""
     import contextvars
 
     class Tokenizer:

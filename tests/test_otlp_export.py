@@ -6,7 +6,7 @@
 * Round trips: ``examples/app.py`` runs in a subprocess under ``opentelemetry-instrument`` with
   only ``OTEL_*`` variables, once over gRPC and once over HTTP/protobuf, into the test OTLP
   receiver (``tests/otlp_receiver.py``); what arrives is decoded with ``opentelemetry-proto`` and
-  checked: one trace, the span tree, ``service.name``, every attribute of the README's contract
+  checked: one trace, the span tree, ``service.name``, every attribute of ``docs/contract.md``
   with its wire type, step times inside the request span, and the GenAI metrics with their
   bucket boundaries. The batch span processor's and the metric reader's schedules are set to
   10 minutes, so what arrives from a process that exits right after ``generate()`` was sent by
@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "docker-compose.yml"
 COLLECTOR = REPO / "collector" / "otel-collector.yaml"
 APP = REPO / "examples" / "app.py"
-README = REPO / "README.md"
+CONTRACT = REPO / "docs" / "contract.md"
 
 SERVICE_NAME = "otel-generate-roundtrip"
 PROMPT_TOKENS = 5
@@ -192,7 +192,7 @@ def test_images_are_pinned(compose):
 
 
 # =============================================================================================
-# The attribute contract, from the README and otel_generate.attributes
+# The attribute contract, from docs/contract.md and otel_generate.attributes
 # =============================================================================================
 
 _WIRE_TYPE = {
@@ -202,7 +202,7 @@ _WIRE_TYPE = {
     "bool": "bool_value",
     "string[]": "array_value",
 }
-#: Request-span attributes that the README says appear only in some calls.
+#: Request-span attributes that the contract says appear only in some calls.
 CONDITIONAL = {
     A.GEN_AI_REQUEST_TEMPERATURE,
     A.GEN_AI_REQUEST_TOP_P,
@@ -218,20 +218,18 @@ CONDITIONAL = {
 
 
 def _contract():
-    """``(request, step)``: ``{attribute: type}`` from the README's two attribute-contract tables."""
-    text = README.read_text()
-    section = text.split("## Attribute contract", 1)[1].split("\n## ", 1)[0]
-    tables, current = [], None
-    for line in section.splitlines():
-        match = re.match(r"^\|\s*`([^`]+)`\s*\|\s*([^|]+?)\s*\|", line)
-        if match:
-            if current is None:
-                current = {}
-                tables.append(current)
-            current[match.group(1)] = match.group(2)
-        elif not line.startswith("|"):
-            current = None
-    assert len(tables) == 2, "README's attribute contract should have a request table and a step table"
+    """``(request, step)``: ``{attribute: type}`` from the two tables of docs/contract.md."""
+    text = CONTRACT.read_text()
+    tables = []
+    for heading in ("## Request span", "## Step spans"):
+        section = text.split("\n" + heading + "\n", 1)[1].split("\n## ", 1)[0]
+        table = {}
+        for line in section.splitlines():
+            match = re.match(r"^\|\s*`([^`]+)`\s*\|\s*([^|]+?)\s*\|", line)
+            if match:
+                table[match.group(1)] = match.group(2)
+        assert table, f"docs/contract.md: no attribute table under {heading!r}"
+        tables.append(table)
     return tables[0], tables[1]
 
 
@@ -248,12 +246,12 @@ def test_contract_names_are_the_constants_of_otel_generate_attributes():
 def assert_wire_types(attrs: dict, contract: dict, required) -> None:
     """Every attribute present is in the contract with its type; every ``required`` one is present."""
     unknown = set(attrs) - set(contract)
-    assert not unknown, f"attributes not in the README contract: {unknown}"
+    assert not unknown, f"attributes not in docs/contract.md: {unknown}"
     missing = set(required) - set(attrs)
     assert not missing, f"contract attributes missing on the wire: {missing}"
     for key, (kind, value) in attrs.items():
         expected = _WIRE_TYPE[contract[key]]
-        assert kind == expected, f"{key}: {kind} on the wire, README says {contract[key]}"
+        assert kind == expected, f"{key}: {kind} on the wire, docs/contract.md says {contract[key]}"
         if contract[key] == "string[]":
             assert value and all(item_kind == "string_value" for item_kind, _ in value), key
 

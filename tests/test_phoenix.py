@@ -177,7 +177,7 @@ def _check_types(attrs: dict, contract: dict, required: set) -> None:
             assert isinstance(value, list) and value and all(isinstance(v, str) for v in value), (key, value)
         else:
             expected = _JSON_TYPES[kind]
-            assert type(value) is expected, f"{key}: {value!r} is {type(value).__name__}, README says {kind}"
+            assert type(value) is expected, f"{key}: {value!r} is {type(value).__name__}, docs/contract.md says {kind}"
 
 
 def _screenshot(phoenix: Phoenix, trace_id: str, span_node_id: str, target: Path) -> None:

@@ -1,6 +1,6 @@
 """Reliability in production (issue 6): never lose a span silently, never break generate(), never leak.
 
-Each test names one guarantee of the README's "Operating in production" section:
+Each test names one guarantee of docs/production.md ("Operating in production"):
 
 1. concurrency: threads sharing one model get exactly their own step spans;
 2. processes: fork and spawn workers set up with the post-fork recipe export their spans;
@@ -83,7 +83,7 @@ STEP_CONTRACT = {
     A.GENERATE_STEP_INDEX, A.GENERATE_TOKEN_INDEX, A.GENERATE_STEP_TOKENS, A.GENERATE_STEP_LATENCY,
     A.GENERATE_STEP_PHASE,
 }
-#: The most attributes a request span can carry (README: keep attribute count limits at or above it).
+#: The most attributes a request span can carry (docs/production.md: keep attribute count limits at or above it).
 MAX_REQUEST_ATTRIBUTES = (
     len(REQUEST_CONTRACT | SAMPLING_CONTRACT | CHOICES_CONTRACT | STREAM_CONTRACT | STOP_CONTRACT) + 1  # + steps.incomplete
 )
@@ -217,7 +217,7 @@ def test_four_threads_on_one_model_each_request_gets_exactly_its_own_steps(
 
 
 def post_fork_setup(spans_path):
-    """The README's post-fork recipe (gunicorn ``post_fork`` / Celery ``worker_process_init``).
+    """docs/production.md's post-fork recipe (gunicorn ``post_fork`` / Celery ``worker_process_init``).
 
     A provider and a BatchSpanProcessor of the worker's own, then ``instrument()`` in the worker. The
     exporter writes JSON lines to ``spans_path`` (a stand-in for an OTLP exporter to a collector).
@@ -533,7 +533,7 @@ def test_the_largest_request_span_fits_the_documented_bound(no_package_env, fres
     MAX_REQUEST_ATTRIBUTES attributes, none dropped."""
     from transformers.generation.streamers import BaseStreamer
 
-    assert MAX_REQUEST_ATTRIBUTES == 26  # the docs state this number
+    assert MAX_REQUEST_ATTRIBUTES == 26  # docs/production.md and the README state this number
     monkeypatch.setattr(clock, "devices_of", lambda model: ["cuda:0"])
 
     def broken_synchronize(device=None):
