@@ -48,11 +48,11 @@ import logging
 import os
 from typing import Any, Collection, Dict
 
-import wrapt
 from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
-from opentelemetry.instrumentation.utils import is_instrumentation_enabled, unwrap
+from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
+from otel_generate import _patch
 from otel_generate import attributes as A
 from otel_generate._request import (
     _ACTIVE,
@@ -337,13 +337,10 @@ class GenerateInstrumentor(BaseInstrumentor):
         )
         for name in _PATCHED:
             if hasattr(GenerationMixin, name):
-                wrapt.wrap_function_wrapper(_GENERATION_MODULE, f"{_GENERATION_CLASS}.{name}", _FACTORIES[name](telemetry))
+                _patch.wrap(GenerationMixin, name, _FACTORIES[name](telemetry))  # [prod] the one patch registry
 
     def _uninstrument(self, **kwargs: Any) -> None:
-        from transformers.generation.utils import GenerationMixin
-
-        for name in _PATCHED:
-            unwrap(GenerationMixin, name)
+        _patch.unwrap_all()  # [prod] removes only our wrappers, wherever they sit in a chain
 
 
 from otel_generate.profiler import TokenLatencyProfiler  # noqa: E402  (needs GenerateInstrumentor)
