@@ -52,7 +52,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
-from otel_generate import _patch
+from otel_generate import _lifecycle, _patch
 from otel_generate import attributes as A
 from otel_generate._request import (
     _ACTIVE,
@@ -338,9 +338,11 @@ class GenerateInstrumentor(BaseInstrumentor):
         for name in _PATCHED:
             if hasattr(GenerationMixin, name):
                 _patch.wrap(GenerationMixin, name, _FACTORIES[name](telemetry))  # [prod] the one patch registry
+        _lifecycle.enable(options["tracer_provider"], options["meter_provider"])  # [prod] workers flush on exit
 
     def _uninstrument(self, **kwargs: Any) -> None:
         _patch.unwrap_all()  # [prod] removes only our wrappers, wherever they sit in a chain
+        _lifecycle.disable()  # [prod] the fork hook stays registered but does nothing
 
 
 from otel_generate.profiler import TokenLatencyProfiler  # noqa: E402  (needs GenerateInstrumentor)
