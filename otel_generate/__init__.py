@@ -52,7 +52,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
-from otel_generate import _lifecycle, _patch
+from otel_generate import _lifecycle, _patch, _versions
 from otel_generate import attributes as A
 from otel_generate._request import (
     _ACTIVE,
@@ -301,6 +301,10 @@ class GenerateInstrumentor(BaseInstrumentor):
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
+
+    def _check_dependency_conflicts(self) -> Any:
+        # [prod] pre-releases of supported versions pass, whatever packaging is installed (_versions)
+        return _versions.dependency_conflict(self.instrumentation_dependencies())
 
     def instrument(self, **kwargs: Any) -> Any:
         """Instrument ``generate()`` (see the module docstring for the keywords).
