@@ -28,7 +28,6 @@ import sys
 
 import pytest
 from packaging.requirements import Requirement
-from packaging.specifiers import SpecifierSet
 
 from otel_generate import _versions
 from otel_generate.package import _instruments

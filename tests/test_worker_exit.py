@@ -30,7 +30,6 @@ import pytest
 import torch
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (
-    AggregationTemporality,
     MetricExporter,
     MetricExportResult,
     PeriodicExportingMetricReader,
