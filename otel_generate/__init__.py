@@ -48,6 +48,7 @@ from typing import Any, Collection, Dict
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
+from otel_generate import _lifecycle, _versions
 from otel_generate._patch import Patches
 from otel_generate.emit import Telemetry, create_instruments, get_tracer
 from otel_generate.integrations import generate_loop, overrides, whisper
@@ -145,6 +146,10 @@ class GenerateInstrumentor(BaseInstrumentor):
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
 
+    def _check_dependency_conflicts(self) -> Any:
+        # pre-releases of supported versions pass, whatever packaging is installed (_versions)
+        return _versions.dependency_conflict(self.instrumentation_dependencies())
+
     def instrument(self, **kwargs: Any) -> Any:
         """Instrument ``generate()`` (see the module docstring for the keywords).
 
@@ -185,6 +190,7 @@ class GenerateInstrumentor(BaseInstrumentor):
         overrides.install(patches, telemetry, GenerationMixin)
         whisper.install(patches, telemetry)
         self._telemetry, self._patches = telemetry, patches
+        _lifecycle.enable(options["tracer_provider"], options["meter_provider"])  # pool workers flush on exit
 
     def _uninstrument(self, **kwargs: Any) -> None:
         telemetry, patches = getattr(self, "_telemetry", None), getattr(self, "_patches", None)
@@ -193,6 +199,7 @@ class GenerateInstrumentor(BaseInstrumentor):
         if patches is not None:
             patches.restore_all()
         self._telemetry = self._patches = None
+        _lifecycle.disable()  # the fork hook stays registered but does nothing
 
 
 from otel_generate.profiler import TokenLatencyProfiler  # noqa: E402  (needs GenerateInstrumentor)

@@ -2,8 +2,24 @@
 
 Every hook replaces a function in a class's own ``__dict__`` (``GenerationMixin.generate``, a
 model class's ``generate``, Whisper's helpers, ...) with a plain function built by a factory
-from the original. :class:`Patches` records each replacement, so that ``uninstrument()``
-restores exactly what was there, and leaves other tools' wrappers working.
+from the original. Plain functions, not wrapt proxies: ``torch.compile`` inlines a wrapt
+``FunctionWrapper`` as the function it wraps and skips it, while it runs a
+``torch.compiler.disable``-d plain function eagerly.
+
+:meth:`Patches.restore_all` (``uninstrument()``) removes exactly these, and nothing else,
+wherever each one sits in a chain of wrappers:
+
+* ours is outermost: the attribute is restored to what ours replaced (or deleted, when ours
+  added it);
+* a wrapt proxy (another instrumentation, a profiler) was applied over ours: ours is spliced
+  out by pointing that proxy's ``__wrapped__`` at what ours replaced; the other wrapper stays
+  and keeps running;
+* something that is not a wrapt proxy (a ``functools.wraps`` closure) was applied over ours, or
+  the attribute was replaced outright: ours cannot be taken out. It stays, as a pass-through
+  (every hook calls its original once ``Telemetry.active`` is False), and one warning names it.
+
+The chain is only searched down to our own function: what ours replaced (transformers'
+``torch.no_grad()``-decorated ``generate``, with a ``__wrapped__`` of its own) is never unwrapped.
 """
 
 from __future__ import annotations
@@ -12,17 +28,19 @@ import logging
 import threading
 from typing import Any, Callable, List, Optional, Tuple
 
+import wrapt
+
 _LOG = logging.getLogger("otel_generate")
 _MISSING = object()
+#: wrapt's proxy base class (``BaseObjectProxy`` in wrapt 2, ``ObjectProxy`` in wrapt 1): its
+#: ``__wrapped__`` can be re-pointed.
+_PROXY = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)
+#: How deep a chain of wrappers above ours is searched.
+_MAX_CHAIN = 64
 
 
 class Patches:
-    """The replacements one ``instrument()`` installed.
-
-    Each hook must also check that the instrumentation is still on (``Telemetry.active``) and
-    call its original when it is not: a hook that cannot be taken out of another tool's chain of
-    wrappers then stays behind inert.
-    """
+    """The replacements one ``instrument()`` installed, oldest first."""
 
     def __init__(self) -> None:
         self._installed: List[Tuple[Any, str, Any, Any]] = []  # (owner, name, replacement, previous)
@@ -32,11 +50,11 @@ class Patches:
         """Replace ``owner.__dict__[name]`` by ``factory(original, *factory_args)``.
 
         Returns False (and changes nothing) when ``owner`` does not define ``name`` itself, or
-        when it is already replaced by this set of patches.
+        when this set of patches already replaced it.
         """
         with self._lock:
-            previous = owner.__dict__.get(name, _MISSING)
-            if previous is _MISSING or any(o is owner and n == name for o, n, _, _ in self._installed):
+            previous = vars(owner).get(name, _MISSING)
+            if previous is _MISSING or self._find(owner, name) is not None:
                 return False
             replacement = factory(previous, *factory_args)
             setattr(owner, name, replacement)
@@ -44,52 +62,80 @@ class Patches:
             return True
 
     def add(self, owner: Any, name: str, value: Any) -> bool:
-        """Set ``owner.name = value`` where ``owner`` does not define ``name`` itself (removed on restore)."""
+        """Set ``owner.name = value`` where ``owner`` does not define ``name`` itself (deleted again on restore)."""
         with self._lock:
-            if name in owner.__dict__:
+            if name in vars(owner):
                 return False
             setattr(owner, name, value)
             self._installed.append((owner, name, value, _MISSING))
             return True
 
+    def _find(self, owner: Any, name: str) -> Optional[Tuple[Any, str, Any, Any]]:
+        return next((entry for entry in self._installed if entry[0] is owner and entry[1] == name), None)
+
     def is_installed(self, owner: Any, name: str) -> bool:
-        return any(o is owner and n == name for o, n, _, _ in self._installed)
+        with self._lock:
+            return self._find(owner, name) is not None
+
+    def installed(self) -> Tuple[Tuple[Any, str], ...]:
+        """``(owner, name)`` of every patch in place, oldest first."""
+        with self._lock:
+            return tuple((owner, name) for owner, name, _, _ in self._installed)
 
     def restore_all(self) -> None:
-        """Undo every replacement, newest first. Where another tool wrapped one of ours since, ours
-        is taken out of its chain; where that is impossible, ours stays inert and one warning says so."""
+        """Undo every patch, newest first; never raises. The caller turns the hooks inert first
+        (``Telemetry.active = False``), so what cannot be removed only passes through; one warning
+        names it."""
         with self._lock:
             installed, self._installed = self._installed, []
+        stuck = []
         for owner, name, replacement, previous in reversed(installed):
-            current = owner.__dict__.get(name, _MISSING)
-            if current is replacement:
-                if previous is _MISSING:
-                    delattr(owner, name)
-                else:
-                    setattr(owner, name, previous)
-            elif not _splice(current, replacement, previous):
-                _LOG.warning(
-                    "otel_generate: %s.%s was wrapped by another tool after instrument() and its wrapper cannot be "
-                    "rewired; otel_generate's hook stays inside it, inert (it only calls the original)",
-                    getattr(owner, "__qualname__", owner), name,
-                )
-
-
-def _splice(current: Any, ours: Any, previous: Any) -> bool:
-    """Take ``ours`` out of a chain of wrappers that starts at ``current``: the wrapper whose
-    ``__wrapped__`` is ours is pointed at what ours replaced."""
-    if previous is _MISSING:
-        return False
-    link: Optional[Any] = current
-    for _ in range(64):  # a chain of wrappers, not a cycle
-        inner = getattr(link, "__wrapped__", None)
-        if inner is None:
-            return False
-        if inner is ours:
             try:
-                link.__wrapped__ = previous
-            except (AttributeError, TypeError):
-                return False
-            return getattr(link, "__wrapped__", None) is previous
-        link = inner
-    return False
+                blocker = _remove(owner, name, replacement, previous)
+            except Exception as exc:  # never let uninstrument() fail half-way
+                blocker = f"an error while removing it ({type(exc).__name__}: {exc})"
+            if blocker is not None:
+                stuck.append(f"{getattr(owner, '__qualname__', owner)}.{name} ({blocker})")
+        if stuck:
+            _LOG.warning(
+                "otel_generate: could not remove its hook of %s; left in place as a pass-through (the method works "
+                "and this package records nothing through it). Remove the other wrapper first, then uninstrument, "
+                "to remove ours completely.",
+                "; ".join(stuck),
+            )
+
+
+def _describe(obj: Any) -> str:
+    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+    kind = type(obj).__qualname__
+    return f"{kind} {name!r}" if isinstance(name, str) else kind
+
+
+def _remove(owner: Any, name: str, ours: Any, previous: Any) -> Optional[str]:
+    """Take ``ours`` out; ``None`` when done, else why it could not be done."""
+    current = vars(owner).get(name, _MISSING)
+    if current is ours:
+        if previous is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, previous)
+        return None
+    if current is _MISSING:
+        return "the attribute was removed"
+    if previous is _MISSING:
+        return f"the attribute was replaced by {_describe(current)}"
+    above = current
+    for _ in range(_MAX_CHAIN):
+        try:
+            below = above.__wrapped__  # a wrapt proxy answers this itself, never its wrapped object
+        except AttributeError:
+            break
+        if below is ours:
+            if isinstance(above, _PROXY):
+                above.__wrapped__ = previous  # splice ours out; the other wrapper stays
+                return None
+            return f"{_describe(above)}, which is not a wrapt proxy, was applied over it and calls it directly"
+        if below is above:
+            break
+        above = below
+    return f"the attribute was replaced by {_describe(current)}, which does not lead to it"

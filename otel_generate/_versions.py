@@ -1,0 +1,177 @@
+"""Supported version ranges admit pre-releases of supported versions, whatever ``packaging`` is installed.
+
+OpenTelemetry checks the instrumented libraries' versions in two places, both with
+``packaging``'s ``SpecifierSet.contains(installed_version)`` and the version that
+``importlib.metadata.version()`` reports (the installed distribution's metadata, not
+``transformers.__version__``):
+
+1. ``BaseInstrumentor.instrument()`` checks ``instrumentation_dependencies()`` (this package's
+   ``_instruments``) unless called with ``skip_dep_check=True``; on a conflict it logs an
+   ERROR and instruments nothing.
+2. ``opentelemetry-instrument``'s loader (``opentelemetry.instrumentation.auto_instrumentation.
+   _load._load_instrumentors``) checks the ``instruments`` extra of the distribution that
+   provides the ``opentelemetry_instrumentor`` entry point, before it imports the entry point,
+   and skips it (logging why) on a conflict; it then calls ``instrument(skip_dep_check=True)``.
+
+``packaging`` < 25 refuses any pre-release for a specifier that names none (``5.25.0.dev0`` is
+not in ``>= 4.46``), so a transformers or torch built from source turned the instrumentation off.
+Naming a pre-release in the requirement (``>= 4.46.0.dev0``) would fix the check but also make
+pip pick pre-releases for ``pip install otel-generate[instruments]``, so the requirements stay
+as they are, and:
+
+1. :meth:`GenerateInstrumentor._check_dependency_conflicts` uses :func:`dependency_conflict`,
+   which reads a pre-release as its release (``5.25.0.dev0`` as ``5.25.0``,
+   ``2.9.0.dev20260101`` as ``2.9.0``) before checking the range.
+2. :func:`before_auto_instrumentation`, an ``opentelemetry_pre_instrument`` entry point, runs
+   before the loader's check. Only when the loader's own check would refuse this package while
+   :func:`dependency_conflict` accepts it (a pre-release under ``packaging`` < 25) does it
+   instrument right there, as the loader would have (``instrument(skip_dep_check=True)``, with
+   the SDK the distro configured), and it keeps the loader's then-false "nothing can be
+   instrumented" message out of the log. ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` is honoured.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from importlib import metadata as importlib_metadata
+from typing import Any, Iterable, List, Optional
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.version import InvalidVersion, Version
+
+_LOG = logging.getLogger("otel_generate")
+
+#: This package's distribution and its ``opentelemetry_instrumentor`` entry point name.
+DISTRIBUTION = "otel-generate"
+ENTRY_POINT_NAME = "transformers_generate"
+#: The extra the loader reads (``pip install otel-generate[instruments]`` installs it too).
+INSTRUMENTS_EXTRA = "instruments"
+
+_loader_filter: Optional[logging.Filter] = None
+
+
+def satisfies(requirement: Requirement, installed: str) -> bool:
+    """Whether the installed version is in the requirement's range, a pre-release read as its release.
+
+    ``5.25.0.dev0`` and ``5.25.0rc1`` are checked as ``5.25.0``; a final or post release, local
+    label included (``2.13.0+cpu``), as it is. A version that is not PEP 440 is never in range.
+    """
+    try:
+        version = Version(installed)
+    except InvalidVersion:
+        return False
+    if version.is_prerelease:  # alpha, beta, rc, dev
+        version = Version(version.base_version)
+    return requirement.specifier.contains(version, prereleases=True)
+
+
+def dependency_conflict(requirements: Iterable[Any]) -> Any:
+    """The first requirement the installed distributions do not meet, as OpenTelemetry reports it.
+
+    Args:
+        requirements: requirement strings or ``packaging`` ``Requirement`` objects.
+
+    Returns:
+        ``None`` when all are met (see :func:`satisfies`), else an
+        ``opentelemetry.instrumentation.dependencies.DependencyConflict`` naming the requirement
+        and, when installed, what was found.
+    """
+    from opentelemetry.instrumentation.dependencies import DependencyConflict
+
+    for dep in requirements:
+        try:
+            requirement = dep if isinstance(dep, Requirement) else Requirement(dep)
+        except InvalidRequirement:
+            return DependencyConflict(str(dep))
+        try:
+            installed = importlib_metadata.version(requirement.name)
+        except importlib_metadata.PackageNotFoundError:
+            return DependencyConflict(str(dep))
+        if not satisfies(requirement, installed):
+            return DependencyConflict(str(dep), f"{requirement.name} {installed}")
+    return None
+
+
+def instruments_requirements(distribution: Any) -> List[Requirement]:
+    """The ``instruments`` extra of ``distribution``'s metadata, read as the loader reads it."""
+    found = []
+    for line in distribution.requires or ():
+        try:
+            requirement = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if requirement.marker is not None and requirement.marker.evaluate({"extra": INSTRUMENTS_EXTRA}):
+            found.append(requirement)
+    return found
+
+
+def _disabled_by_environment() -> bool:
+    names = [name.strip() for name in os.environ.get("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "").split(",")]
+    return ENTRY_POINT_NAME in names or "*" in names
+
+
+def before_auto_instrumentation() -> None:
+    """``opentelemetry_pre_instrument`` entry point: see the module docstring. Never raises."""
+    try:
+        _before_auto_instrumentation()
+    except Exception as exc:  # never break the application's start
+        _LOG.warning("otel_generate: the pre-release version check before auto-instrumentation failed (%s: %s)",
+                     type(exc).__name__, exc)
+
+
+def _before_auto_instrumentation() -> None:
+    if _disabled_by_environment():
+        return
+    from opentelemetry.instrumentation.dependencies import get_dist_dependency_conflicts
+
+    distribution = importlib_metadata.distribution(DISTRIBUTION)
+    if get_dist_dependency_conflicts(distribution) is None:
+        return  # the loader accepts the installed versions and instruments as usual
+    if dependency_conflict(instruments_requirements(distribution)) is not None:
+        return  # out of range even as releases: the loader refuses and says why
+    from otel_generate import GenerateInstrumentor
+
+    _keep_loader_conflict_out_of_the_log()
+    GenerateInstrumentor().instrument(skip_dep_check=True)
+    _LOG.debug("otel_generate: instrumented before the loader, whose packaging refuses the installed pre-release")
+
+
+class _LoaderConflictFilter(logging.Filter):
+    """Drops the loader's message that this entry point has a version conflict (it was instrumented)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:
+            return True
+        return not (ENTRY_POINT_NAME in message and ("only instruments" in message or "Skipping" in message))
+
+
+def _loader_logger() -> logging.Logger:
+    from opentelemetry.instrumentation.auto_instrumentation import _load
+
+    return getattr(_load, "_logger", None) or logging.getLogger(_load.__name__)
+
+
+def _keep_loader_conflict_out_of_the_log() -> None:
+    global _loader_filter
+    try:
+        logger = _loader_logger()
+    except Exception:
+        return
+    if _loader_filter is None:
+        _loader_filter = _LoaderConflictFilter()
+        logger.addFilter(_loader_filter)
+
+
+def after_auto_instrumentation() -> None:
+    """``opentelemetry_post_instrument`` entry point: removes the filter the pre-instrument hook added."""
+    global _loader_filter
+    if _loader_filter is None:
+        return
+    try:
+        _loader_logger().removeFilter(_loader_filter)
+    except Exception:
+        pass
+    _loader_filter = None
