@@ -33,6 +33,18 @@ Configuration
 * ``max_step_spans`` (int >= 0, default 1024): at most this many step spans per request; the
   request span still carries the totals and ``generate.step_spans.dropped`` says how many steps
   were timed but not exported as spans. Environment: ``OTEL_GENERATE_MAX_STEP_SPANS``.
+* ``capture_message_content`` (bool or ``"NO_CONTENT"``, ``"SPAN_ONLY"``, ``"EVENT_ONLY"``,
+  ``"SPAN_AND_EVENT"``; default off): the prompt and completion text as
+  ``gen_ai.input.messages`` / ``gen_ai.output.messages`` (``True`` means ``SPAN_ONLY``), when a
+  tokenizer is at hand (see :mod:`otel_generate.content`). Environment:
+  ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT``.
+* ``logger_provider``: the logs-API provider the ``gen_ai.client.inference.operation.details``
+  event goes to (``EVENT_ONLY``, ``SPAN_AND_EVENT``) instead of the global one.
+* ``capture_step_token_ids`` (bool, default ``False``): ``generate.step.token_ids`` on the step
+  spans. Environment: ``OTEL_GENERATE_CAPTURE_STEP_TOKEN_IDS``.
+* ``capture_step_logprobs`` (bool, default ``False``): ``generate.step.logprobs`` (and the token
+  ids) on the step spans, for greedy and sampling requests. Environment:
+  ``OTEL_GENERATE_CAPTURE_STEP_LOGPROBS``.
 
 Keyword arguments win over environment variables; an environment value that cannot be parsed
 is reported once with a warning and the default is used. Suppressing instrumentation
@@ -50,7 +62,8 @@ import wrapt
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.instrumentation.utils import unwrap
 
-from otel_generate.emit import Telemetry, create_instruments, get_tracer
+from otel_generate import content as _content
+from otel_generate.emit import Telemetry, create_instruments, get_event_logger, get_tracer
 from otel_generate.integrations import generate_loop
 from otel_generate.package import _instruments
 from otel_generate.record import GenerationRecord
@@ -64,7 +77,16 @@ ENV_SYNCHRONIZE = "OTEL_GENERATE_SYNCHRONIZE"
 ENV_MAX_STEP_SPANS = "OTEL_GENERATE_MAX_STEP_SPANS"
 DEFAULT_MAX_STEP_SPANS = 1024
 
-_OPTIONS = ("tracer_provider", "meter_provider", "synchronize", "max_step_spans")
+_OPTIONS = (
+    "tracer_provider",
+    "meter_provider",
+    "logger_provider",
+    "synchronize",
+    "max_step_spans",
+    "capture_message_content",
+    "capture_step_token_ids",
+    "capture_step_logprobs",
+)
 
 _TRUE = {"1", "true", "yes", "on"}
 _warned_env: set = set()  # (variable, value) pairs already reported: one warning per process
@@ -104,6 +126,26 @@ def _env_int(name: str, default: int) -> int:
     return value
 
 
+def _env_content_mode() -> "_content.ContentMode":
+    raw = os.environ.get(_content.ENV_CAPTURE_MESSAGE_CONTENT)
+    if raw is None:
+        return _content.ContentMode.NO_CONTENT
+    try:
+        return _content.parse_mode(raw)
+    except ValueError:
+        _warn_env(_content.ENV_CAPTURE_MESSAGE_CONTENT, raw, f"one of {_content.ACCEPTED_MODES}", "NO_CONTENT")
+        return _content.ContentMode.NO_CONTENT
+
+
+def _bool_option(kwargs: Dict[str, Any], name: str, env: str) -> bool:
+    value = kwargs.get(name)
+    if value is None:
+        return _env_bool(env, False)
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
 def _resolve_options(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """Validate ``instrument()`` keywords; environment variables fill what is not given."""
     unknown = sorted(set(kwargs) - set(_OPTIONS))
@@ -112,7 +154,9 @@ def _resolve_options(kwargs: Dict[str, Any]) -> Dict[str, Any]:
             f"GenerateInstrumentor.instrument() got unknown option(s) {', '.join(map(repr, unknown))}; "
             f"expected some of {', '.join(_OPTIONS)}"
         )
-    for name, method in (("tracer_provider", "get_tracer"), ("meter_provider", "get_meter")):
+    for name, method in (
+        ("tracer_provider", "get_tracer"), ("meter_provider", "get_meter"), ("logger_provider", "get_logger")
+    ):
         provider = kwargs.get(name)
         if provider is not None and not callable(getattr(provider, method, None)):
             raise TypeError(f"{name} must be an OpenTelemetry provider with {method}(), got {type(provider).__name__} {provider!r}")
@@ -128,12 +172,32 @@ def _resolve_options(kwargs: Dict[str, Any]) -> Dict[str, Any]:
         raise TypeError(f"max_step_spans must be an int, got {type(max_step_spans).__name__} {max_step_spans!r}")
     elif max_step_spans < 0:
         raise ValueError(f"max_step_spans must be >= 0, got {max_step_spans}")
+    mode = kwargs.get("capture_message_content")
+    mode = _env_content_mode() if mode is None else _content.parse_mode(mode)  # TypeError / ValueError
     return {
         "tracer_provider": kwargs.get("tracer_provider"),
         "meter_provider": kwargs.get("meter_provider"),
+        "logger_provider": kwargs.get("logger_provider"),
         "synchronize": synchronize,
         "max_step_spans": max_step_spans,
+        "capture_message_content": mode,
+        "capture_step_token_ids": _bool_option(kwargs, "capture_step_token_ids", _content.ENV_CAPTURE_STEP_TOKEN_IDS),
+        "capture_step_logprobs": _bool_option(kwargs, "capture_step_logprobs", _content.ENV_CAPTURE_STEP_LOGPROBS),
     }
+
+
+def _content_options(options: Dict[str, Any]) -> Any:
+    """The :class:`~otel_generate.content.ContentOptions` to capture, or ``None`` when nothing is."""
+    mode = options["capture_message_content"]
+    token_ids, logprobs = options["capture_step_token_ids"], options["capture_step_logprobs"]
+    if mode is _content.ContentMode.NO_CONTENT and not token_ids and not logprobs:
+        return None
+    return _content.ContentOptions(
+        mode=mode,
+        step_token_ids=token_ids or logprobs,
+        step_logprobs=logprobs,
+        event_logger=get_event_logger(options["logger_provider"]) if mode.on_event else None,
+    )
 
 
 class GenerateInstrumentor(BaseInstrumentor):
@@ -177,16 +241,42 @@ class GenerateInstrumentor(BaseInstrumentor):
             max_step_spans=options["max_step_spans"],
             skip_candidate_calls=generate_loop.assisted_calls_criteria_on_candidates(GenerationMixin),
             profilers=active_profilers,
+            content=_content_options(options),
         )
         for name, factory in generate_loop.WRAPPERS.items():
             if hasattr(GenerationMixin, name):
                 wrapt.wrap_function_wrapper(generate_loop.MODULE, f"{generate_loop.CLASS}.{name}", factory(telemetry))
+        self._content_wrapped = False
+        if telemetry.content is not None:
+            self._instrument_content(telemetry, GenerationMixin)
+
+    def _instrument_content(self, telemetry: Telemetry, mixin: Any) -> None:
+        """Opt-in content: the pipelines' tokenizer, the step log-probabilities processor."""
+        from otel_generate.integrations import generate_content, pipelines
+
+        if telemetry.content.mode is not _content.ContentMode.NO_CONTENT:
+            pipelines.install()
+        if telemetry.content.step_logprobs and hasattr(mixin, generate_content.LOGITS_PROCESSOR_METHOD):
+            wrapt.wrap_function_wrapper(
+                generate_loop.MODULE,
+                f"{generate_loop.CLASS}.{generate_content.LOGITS_PROCESSOR_METHOD}",
+                generate_content.get_logits_processor_wrapper(telemetry),
+            )
+            self._content_wrapped = True
 
     def _uninstrument(self, **kwargs: Any) -> None:
         from transformers.generation.utils import GenerationMixin
 
         for name in generate_loop.WRAPPERS:
             unwrap(GenerationMixin, name)
+        if getattr(self, "_content_wrapped", False):
+            from otel_generate.integrations import generate_content
+
+            unwrap(GenerationMixin, generate_content.LOGITS_PROCESSOR_METHOD)
+            self._content_wrapped = False
+        from otel_generate.integrations import pipelines
+
+        pipelines.uninstall()
 
 
 from otel_generate.profiler import TokenLatencyProfiler  # noqa: E402  (needs GenerateInstrumentor)

@@ -67,6 +67,12 @@ class Request:
         calls: the inner ``generate()`` calls, when the request has any.
         first_chunk_ns: when a streamer was first handed generated tokens (streaming requests).
         streamer_ns: nanoseconds spent inside the streamer's calls (streaming requests).
+        input_messages, output_messages: opt-in content (:mod:`otel_generate.content`): the
+            conventions' message structures as plain lists of dicts, or ``None`` when not captured.
+        step_token_ids: opt-in, one list of token ids per step that gets a span (row-major
+            over the returned sequences), or ``None``.
+        step_logprobs: opt-in, the natural-log probability of each of those ids, same layout, or
+            ``None`` (also when the strategy gives none: beam search, assisted decoding).
     """
 
     model: str
@@ -89,6 +95,10 @@ class Request:
     calls: List[InnerCall] = field(default_factory=list)
     first_chunk_ns: Optional[int] = None
     streamer_ns: Optional[int] = None
+    input_messages: Optional[List[Dict[str, Any]]] = None
+    output_messages: Optional[List[Dict[str, Any]]] = None
+    step_token_ids: Optional[List[List[int]]] = None
+    step_logprobs: Optional[List[List[float]]] = None
 
     # --- derived figures (nanoseconds) ---------------------------------------------------------
     def wall_ns(self, monotonic_ns: int) -> int:

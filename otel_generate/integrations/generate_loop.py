@@ -122,6 +122,7 @@ class GenerateCall:
         self.criteria: Any = None
         self.sync: Optional[Callable[[], None]] = None
         self.streamer: Optional[_TimedStreamer] = None
+        self.step_logprobs: Any = None  # opt-in content: set by generate_content's logits-processor wrapper
 
         self.span = emit.start_request_span(telemetry, self.name)
         try:
@@ -345,6 +346,10 @@ class GenerateCall:
         if self.streamer is not None:
             request.first_chunk_ns = self.streamer._self_first_chunk_ns
             request.streamer_ns = self.streamer._self_inside_ns
+        if self.telemetry.content is not None:  # opt-in content capture (otel_generate.content)
+            from otel_generate.integrations.generate_content import fill_request
+
+            fill_request(self, sequences)
 
     def _rows_out_of_time(self, lengths: List[int], prompt_length: int, counts: List[int]) -> List[int]:
         """Rows that ``max_time`` ended: still running at the last step, which ended after the deadline.

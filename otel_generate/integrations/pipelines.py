@@ -1,0 +1,103 @@
+"""transformers pipelines: make a pipeline's tokenizer visible to the ``generate()`` it runs.
+
+A ``pipeline("text-generation" | "text2text-generation" | "summarization" | ...)`` call runs
+``model.generate()`` from ``Pipeline.forward`` (once per batch), and that ``generate()`` is a
+request like any other (:mod:`.generate_loop`): its span is a child of whatever span is current,
+so it nests under the span another instrumentation starts around the pipeline call (OpenLLMetry
+wraps ``TextGenerationPipeline.__call__``). This module adds no span: it only wraps
+``transformers.pipelines.base.Pipeline.forward`` so that, while it runs, a context variable
+holds the pipeline's model and tokenizer, from which content capture
+(:mod:`.generate_content`) decodes the prompt and the completions.
+
+``forward`` rather than ``__call__``: a pipeline given a generator or a ``Dataset`` returns a
+lazy iterator and runs ``forward`` only while the caller iterates, after ``__call__`` returned.
+
+The wrapper is installed only when message content is captured, through a post-import hook: it
+never imports ``transformers.pipelines`` itself (about a second of import time), it patches the
+module when the application imports it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import sys
+import threading
+from typing import Any, Optional
+
+import wrapt
+from opentelemetry.instrumentation.utils import unwrap
+
+from otel_generate._faults import log_fault_once
+
+MODULE = "transformers.pipelines.base"
+
+#: ``(model, tokenizer)`` of the pipeline whose ``forward`` is running in this context, or ``None``.
+_CURRENT: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("otel_generate_pipeline", default=None)
+
+_lock = threading.Lock()
+_wanted = False  # install() called and not uninstall()ed
+_patched = False  # Pipeline.forward is wrapped
+
+
+def tokenizer_for(model: Any) -> Any:
+    """The tokenizer of the pipeline running ``model.generate()`` in this context, else ``None``.
+
+    Only for that pipeline's own model: another model's ``generate()`` called meanwhile (an
+    assistant model, a model inside a logits processor) gets nothing.
+    """
+    current = _CURRENT.get()
+    if current is not None and current[0] is model:
+        return current[1]
+    return None
+
+
+def _tokenizer_of(pipeline: Any) -> Any:
+    tokenizer = getattr(pipeline, "tokenizer", None)
+    if tokenizer is None:  # multimodal pipelines keep it in their processor
+        tokenizer = getattr(getattr(pipeline, "processor", None), "tokenizer", None)
+    return tokenizer
+
+
+def _forward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    try:
+        token = _CURRENT.set((getattr(instance, "model", None), _tokenizer_of(instance)))
+    except Exception as fault:  # never break the pipeline
+        log_fault_once("pipeline tokenizer lookup", fault)
+        return wrapped(*args, **kwargs)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _CURRENT.reset(token)
+
+
+def _patch(module: Any) -> None:
+    global _patched
+    with _lock:
+        if not _wanted or _patched:
+            return
+        try:
+            wrapt.wrap_function_wrapper(module, "Pipeline.forward", _forward_wrapper)
+            _patched = True
+        except Exception as fault:
+            log_fault_once("pipeline instrumentation", fault)
+
+
+def install() -> None:
+    """Wrap ``Pipeline.forward`` now if ``transformers.pipelines.base`` is imported, else when it is."""
+    global _wanted
+    with _lock:
+        _wanted = True
+    # calls _patch at once when the module is already imported; the hook is idempotent
+    wrapt.register_post_import_hook(_patch, MODULE)
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (a hook still pending does nothing once fired)."""
+    global _wanted, _patched
+    with _lock:
+        _wanted = False
+        if _patched:
+            module = sys.modules.get(MODULE)
+            if module is not None:
+                unwrap(module.Pipeline, "forward")
+            _patched = False
