@@ -33,6 +33,18 @@ Configuration
 * ``max_step_spans`` (int >= 0, default 1024): at most this many step spans per request; the
   request span still carries the totals and ``generate.step_spans.dropped`` says how many steps
   were timed but not exported as spans. Environment: ``OTEL_GENERATE_MAX_STEP_SPANS``.
+* ``capture_message_content`` (bool or ``"NO_CONTENT"``, ``"SPAN_ONLY"``, ``"EVENT_ONLY"``,
+  ``"SPAN_AND_EVENT"``; default off): the prompt and completion text as
+  ``gen_ai.input.messages`` / ``gen_ai.output.messages`` (``True`` means ``SPAN_ONLY``), when a
+  tokenizer is at hand (see :mod:`otel_generate.content`). Environment:
+  ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT``.
+* ``logger_provider``: the logs-API provider the ``gen_ai.client.inference.operation.details``
+  event goes to (``EVENT_ONLY``, ``SPAN_AND_EVENT``) instead of the global one.
+* ``capture_step_token_ids`` (bool, default ``False``): ``generate.step.token_ids`` on the step
+  spans. Environment: ``OTEL_GENERATE_CAPTURE_STEP_TOKEN_IDS``.
+* ``capture_step_logprobs`` (bool, default ``False``): ``generate.step.logprobs`` (and the token
+  ids) on the step spans, for greedy and sampling requests. Environment:
+  ``OTEL_GENERATE_CAPTURE_STEP_LOGPROBS``.
 
 Keyword arguments win over environment variables; an environment value that cannot be parsed
 is reported once with a warning and the default is used. Suppressing instrumentation
@@ -49,8 +61,9 @@ from typing import Any, Collection, Dict
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from otel_generate import _lifecycle, _versions
+from otel_generate import content as _content
 from otel_generate._patch import Patches
-from otel_generate.emit import Telemetry, create_instruments, get_tracer
+from otel_generate.emit import Telemetry, create_instruments, get_event_logger, get_tracer
 from otel_generate.integrations import generate_loop, overrides, whisper
 from otel_generate.package import _instruments
 from otel_generate.record import GenerationRecord
@@ -64,7 +77,16 @@ ENV_SYNCHRONIZE = "OTEL_GENERATE_SYNCHRONIZE"
 ENV_MAX_STEP_SPANS = "OTEL_GENERATE_MAX_STEP_SPANS"
 DEFAULT_MAX_STEP_SPANS = 1024
 
-_OPTIONS = ("tracer_provider", "meter_provider", "synchronize", "max_step_spans")
+_OPTIONS = (
+    "tracer_provider",
+    "meter_provider",
+    "logger_provider",
+    "synchronize",
+    "max_step_spans",
+    "capture_message_content",
+    "capture_step_token_ids",
+    "capture_step_logprobs",
+)
 
 _TRUE = {"1", "true", "yes", "on"}
 _warned_env: set = set()  # (variable, value) pairs already reported: one warning per process
@@ -104,6 +126,26 @@ def _env_int(name: str, default: int) -> int:
     return value
 
 
+def _env_content_mode() -> "_content.ContentMode":
+    raw = os.environ.get(_content.ENV_CAPTURE_MESSAGE_CONTENT)
+    if raw is None:
+        return _content.ContentMode.NO_CONTENT
+    try:
+        return _content.parse_mode(raw)
+    except ValueError:
+        _warn_env(_content.ENV_CAPTURE_MESSAGE_CONTENT, raw, f"one of {_content.ACCEPTED_MODES}", "NO_CONTENT")
+        return _content.ContentMode.NO_CONTENT
+
+
+def _bool_option(kwargs: Dict[str, Any], name: str, env: str) -> bool:
+    value = kwargs.get(name)
+    if value is None:
+        return _env_bool(env, False)
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
 def _resolve_options(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """Validate ``instrument()`` keywords; environment variables fill what is not given."""
     unknown = sorted(set(kwargs) - set(_OPTIONS))
@@ -112,7 +154,9 @@ def _resolve_options(kwargs: Dict[str, Any]) -> Dict[str, Any]:
             f"GenerateInstrumentor.instrument() got unknown option(s) {', '.join(map(repr, unknown))}; "
             f"expected some of {', '.join(_OPTIONS)}"
         )
-    for name, method in (("tracer_provider", "get_tracer"), ("meter_provider", "get_meter")):
+    for name, method in (
+        ("tracer_provider", "get_tracer"), ("meter_provider", "get_meter"), ("logger_provider", "get_logger")
+    ):
         provider = kwargs.get(name)
         if provider is not None and not callable(getattr(provider, method, None)):
             raise TypeError(f"{name} must be an OpenTelemetry provider with {method}(), got {type(provider).__name__} {provider!r}")
@@ -128,12 +172,32 @@ def _resolve_options(kwargs: Dict[str, Any]) -> Dict[str, Any]:
         raise TypeError(f"max_step_spans must be an int, got {type(max_step_spans).__name__} {max_step_spans!r}")
     elif max_step_spans < 0:
         raise ValueError(f"max_step_spans must be >= 0, got {max_step_spans}")
+    mode = kwargs.get("capture_message_content")
+    mode = _env_content_mode() if mode is None else _content.parse_mode(mode)  # TypeError / ValueError
     return {
         "tracer_provider": kwargs.get("tracer_provider"),
         "meter_provider": kwargs.get("meter_provider"),
+        "logger_provider": kwargs.get("logger_provider"),
         "synchronize": synchronize,
         "max_step_spans": max_step_spans,
+        "capture_message_content": mode,
+        "capture_step_token_ids": _bool_option(kwargs, "capture_step_token_ids", _content.ENV_CAPTURE_STEP_TOKEN_IDS),
+        "capture_step_logprobs": _bool_option(kwargs, "capture_step_logprobs", _content.ENV_CAPTURE_STEP_LOGPROBS),
     }
+
+
+def _content_options(options: Dict[str, Any]) -> Any:
+    """The :class:`~otel_generate.content.ContentOptions` to capture, or ``None`` when nothing is."""
+    mode = options["capture_message_content"]
+    token_ids, logprobs = options["capture_step_token_ids"], options["capture_step_logprobs"]
+    if mode is _content.ContentMode.NO_CONTENT and not token_ids and not logprobs:
+        return None
+    return _content.ContentOptions(
+        mode=mode,
+        step_token_ids=token_ids or logprobs,
+        step_logprobs=logprobs,
+        event_logger=get_event_logger(options["logger_provider"]) if mode.on_event else None,
+    )
 
 
 class GenerateInstrumentor(BaseInstrumentor):
@@ -181,14 +245,23 @@ class GenerateInstrumentor(BaseInstrumentor):
             max_step_spans=options["max_step_spans"],
             skip_candidate_calls=generate_loop.assisted_calls_criteria_on_candidates(GenerationMixin),
             profilers=active_profilers,
+            content=_content_options(options),
         )
         # Every patch, in one place: GenerationMixin's loop (generate_loop), every model class's own
-        # generate() and custom_generate (overrides), Whisper's windows (whisper).
+        # generate() and custom_generate (overrides), Whisper's windows (whisper), and, only when
+        # content capture is on, the pipelines' tokenizer and the step log-probabilities (content).
         patches = Patches()
         for name, factory in generate_loop.HOOKS.items():
             patches.replace(GenerationMixin, name, factory, telemetry)
         overrides.install(patches, telemetry, GenerationMixin)
         whisper.install(patches, telemetry)
+        if telemetry.content is not None:
+            from otel_generate.integrations import generate_content, pipelines
+
+            if telemetry.content.mode is not _content.ContentMode.NO_CONTENT:
+                pipelines.install(patches, telemetry)
+            if telemetry.content.step_logprobs:
+                generate_content.install(patches, telemetry, GenerationMixin)
         self._telemetry, self._patches = telemetry, patches
         _lifecycle.enable(options["tracer_provider"], options["meter_provider"])  # pool workers flush on exit
 

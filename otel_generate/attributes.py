@@ -31,6 +31,13 @@ GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 GEN_AI_TOKEN_TYPE = "gen_ai.token.type"
 ERROR_TYPE = "error.type"
+#: Opt-in content (:mod:`otel_generate.content`): the prompt rows and the returned sequences, as the
+#: conventions' JSON structures (gen-ai-input-messages.json / gen-ai-output-messages.json); a JSON
+#: string on the span, structured on the event.
+GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"
+GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"
+#: The opt-in event (a log record) that carries a request's attributes and messages.
+EVENT_INFERENCE_OPERATION_DETAILS = "gen_ai.client.inference.operation.details"
 
 # Fixed values.
 OPERATION_TEXT_COMPLETION = "text_completion"
@@ -39,6 +46,9 @@ FINISH_REASON_STOP = "stop"
 FINISH_REASON_LENGTH = "length"
 TOKEN_TYPE_INPUT = "input"
 TOKEN_TYPE_OUTPUT = "output"
+ROLE_USER = "user"
+ROLE_ASSISTANT = "assistant"
+PART_TYPE_TEXT = "text"
 
 # --- this package: request span ---------------------------------------------------------------
 GENERATE_STEPS = "generate.steps"
@@ -110,6 +120,12 @@ GENERATE_STEP_TOKENS = "generate.step.tokens"
 #: The step's duration, seconds.
 GENERATE_STEP_LATENCY = "generate.step.latency"
 GENERATE_STEP_PHASE = "generate.step.phase"
+#: Opt-in (:mod:`otel_generate.content`): the token ids this step appended, row-major (every
+#: returned sequence's ``generate.step.tokens`` ids in turn), as the returned tensor holds them.
+GENERATE_STEP_TOKEN_IDS = "generate.step.token_ids"
+#: Opt-in: the natural-log probability of each of those tokens under the processed distribution
+#: the token was chosen from (after logits processors and warpers); same layout.
+GENERATE_STEP_LOGPROBS = "generate.step.logprobs"
 PHASE_PREFILL = STEP_SPAN_PREFILL
 PHASE_DECODE = STEP_SPAN_DECODE
 

@@ -7,7 +7,10 @@ telemetry out, whichever producer recorded it.
 * :func:`finish` ends it: the request attributes, the step spans (built from the recorded
   timestamps with explicit start and end times, at most ``max_step_spans``), the metrics
   (recorded while the request span is the current span, so exemplars point at it) and the
-  :class:`~otel_generate.record.GenerationRecord` handed to profilers.
+  :class:`~otel_generate.record.GenerationRecord` handed to profilers; with opt-in content
+  capture (:mod:`otel_generate.content`), the messages on the span and/or the
+  ``gen_ai.client.inference.operation.details`` event (a log record), and the step token ids and
+  log-probabilities on the step spans.
 
 Names and buckets come from :mod:`otel_generate.attributes`; durations are converted from the
 record's nanoseconds here and nowhere else.
@@ -15,6 +18,7 @@ record's nanoseconds here and nowhere else.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, Collection, Dict, Optional, Sequence
 
 from opentelemetry import context as otel_context
@@ -45,6 +49,8 @@ class Telemetry:
             current context.
         active: False once ``uninstrument()`` ran: a hook left behind in another tool's chain of
             wrappers then only calls its original.
+        content: the opt-in content to capture (:class:`~otel_generate.content.ContentOptions`),
+            or ``None`` when none is: then no content code runs at all.
     """
 
     def __init__(
@@ -55,6 +61,7 @@ class Telemetry:
         max_step_spans: int,
         skip_candidate_calls: bool,
         profilers: Callable[[], Sequence[Any]],
+        content: Any = None,
     ) -> None:
         self.tracer = tracer
         self.instruments = instruments or {}
@@ -63,6 +70,7 @@ class Telemetry:
         self.skip_candidate_calls = skip_candidate_calls
         self.profilers = profilers
         self.active = True
+        self.content = content
 
 
 def get_tracer(tracer_provider: Any = None) -> trace.Tracer:
@@ -101,6 +109,13 @@ def create_instruments(meter_provider: Any = None) -> Dict[str, Any]:
             A.METRIC_TOKEN_USAGE, "{token}", "Input and output tokens per request.", A.BUCKETS_TOKEN_USAGE,
         ),
     }
+
+
+def get_event_logger(logger_provider: Any = None) -> Any:
+    """This package's logs-API ``Logger`` (for the opt-in content event), with the :data:`~otel_generate.attributes.SCHEMA_URL`."""
+    from opentelemetry import _logs
+
+    return _logs.get_logger(INSTRUMENTATION_NAME, __version__, logger_provider, schema_url=A.SCHEMA_URL)
 
 
 def request_span_name(model: str) -> str:
@@ -148,6 +163,12 @@ def finish(telemetry: Telemetry, span: Any, request: Request, profilers: Sequenc
     except Exception as fault:
         request.incomplete = True
         log_fault_once("request accounting", fault)
+    content = telemetry.content
+    if content is not None and content.event_logger is not None:
+        try:
+            _emit_details_event(content.event_logger, span, request)
+        except Exception as fault:
+            log_fault_once("content event", fault)
     try:
         if request.incomplete and span.is_recording():
             span.set_attribute(A.GENERATE_STEPS_INCOMPLETE, True)
@@ -201,6 +222,12 @@ def _annotate(telemetry: Telemetry, span: Any, request: Request) -> GenerationRe
                 attrs[A.GENERATE_TIME_TO_FIRST_TOKEN] = ttft_ns / clock.NS_PER_S
             if tpot_ns is not None:
                 attrs[A.GENERATE_TIME_PER_OUTPUT_TOKEN] = tpot_ns / clock.NS_PER_S
+        content = telemetry.content
+        if content is not None and content.mode.on_span:
+            if request.input_messages is not None:
+                attrs[A.GEN_AI_INPUT_MESSAGES] = _json(request.input_messages)
+            if request.output_messages is not None:
+                attrs[A.GEN_AI_OUTPUT_MESSAGES] = _json(request.output_messages)
         if request.error is not None:
             attrs[A.ERROR_TYPE] = etype
             span.record_exception(request.error)
@@ -255,25 +282,83 @@ def _emit_steps(telemetry: Telemetry, span: Any, request: Request, latencies_ns:
     bounds = request.step_bounds_ns()
     tokens = request.step_tokens
     prefill = request.prefill_indices()
+    token_ids = request.step_token_ids or ()  # opt-in content, one list per step
+    logprobs = request.step_logprobs or ()
+    step_content = bool(token_ids or logprobs)
     token_index = 0
     for index in range(emitted):
         phase = A.PHASE_PREFILL if index in prefill else A.PHASE_DECODE
         start, end = bounds[index]
+        attributes = {
+            A.GENERATE_STEP_INDEX: index,
+            A.GENERATE_TOKEN_INDEX: token_index,
+            A.GENERATE_STEP_TOKENS: tokens[index],
+            A.GENERATE_STEP_LATENCY: latencies_ns[index] / clock.NS_PER_S,
+            A.GENERATE_STEP_PHASE: phase,
+        }
+        if step_content:
+            if index < len(token_ids) and token_ids[index]:
+                attributes[A.GENERATE_STEP_TOKEN_IDS] = token_ids[index]
+            if index < len(logprobs) and logprobs[index]:
+                attributes[A.GENERATE_STEP_LOGPROBS] = logprobs[index]
         step = start_tracer_span(
             phase,
             context=parents[index],
             kind=SpanKind.INTERNAL,
             start_time=start + wall_offset,
-            attributes={
-                A.GENERATE_STEP_INDEX: index,
-                A.GENERATE_TOKEN_INDEX: token_index,
-                A.GENERATE_STEP_TOKENS: tokens[index],
-                A.GENERATE_STEP_LATENCY: latencies_ns[index] / clock.NS_PER_S,
-                A.GENERATE_STEP_PHASE: phase,
-            },
+            attributes=attributes,
         )
         step.end(end_time=end + wall_offset)
         token_index += tokens[index]
+
+
+def _json(messages: Any) -> str:
+    """Messages as the JSON string a span attribute holds (compact, non-ASCII kept as is)."""
+    return json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
+
+
+def _emit_details_event(logger: Any, span: Any, request: Request) -> None:
+    """The ``gen_ai.client.inference.operation.details`` event of one request, in the request span's context.
+
+    Its attributes are the request's ``gen_ai.*`` attributes and ``error.type`` (as on the span),
+    and the messages in structured form when they were captured (GenAI events page, semantic
+    conventions v1.41). Needs ``opentelemetry-api`` >= 1.35 for ``LogRecord(event_name=...)`` and
+    an SDK >= 1.37 to accept an API ``LogRecord``; on an older API the event is skipped (logged once).
+    """
+    from opentelemetry._logs import LogRecord
+
+    attrs: Dict[str, Any] = {
+        A.GEN_AI_OPERATION_NAME: A.OPERATION_TEXT_COMPLETION,
+        A.GEN_AI_PROVIDER_NAME: A.PROVIDER_TRANSFORMERS,
+        A.GEN_AI_REQUEST_MODEL: request.model,
+        A.GEN_AI_RESPONSE_MODEL: request.model,
+    }
+    attrs.update((key, value) for key, value in request.parameters.items() if key.startswith("gen_ai."))
+    if request.input_tokens is not None:
+        attrs[A.GEN_AI_USAGE_INPUT_TOKENS] = request.input_tokens
+    if request.output_tokens is not None:
+        attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] = request.output_tokens
+    if request.finish_reasons is not None:
+        attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] = list(request.finish_reasons)
+    if request.first_chunk_ns is not None:
+        attrs[A.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] = (request.first_chunk_ns - request.start_ns) / clock.NS_PER_S
+    if request.error is not None:
+        attrs[A.ERROR_TYPE] = error_type(request.error)
+    if request.input_messages is not None:
+        attrs[A.GEN_AI_INPUT_MESSAGES] = request.input_messages
+    if request.output_messages is not None:
+        attrs[A.GEN_AI_OUTPUT_MESSAGES] = request.output_messages
+    end = request.end_ns
+    try:
+        record = LogRecord(
+            timestamp=request.wall_ns(end) if end is not None else None,
+            context=trace.set_span_in_context(span),
+            attributes=attrs,
+            event_name=A.EVENT_INFERENCE_OPERATION_DETAILS,
+        )
+    except TypeError as fault:  # opentelemetry-api < 1.35: no event_name, no context
+        raise RuntimeError("the content event needs opentelemetry-api >= 1.35 and opentelemetry-sdk >= 1.37") from fault
+    logger.emit(record)
 
 
 def _record_metrics(instruments: Dict[str, Any], span: Any, record: GenerationRecord) -> None:

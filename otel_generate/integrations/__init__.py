@@ -1,5 +1,8 @@
 """Producers of requests: one module per way transformers generates.
 
 * :mod:`.generate_loop`: ``GenerationMixin.generate`` and its decoding loops;
-* :mod:`.step_hook`: the per-step hot path of that loop.
+* :mod:`.step_hook`: the per-step hot path of that loop;
+* :mod:`.generate_content`: opt-in content (messages, step token ids and log-probabilities) of a
+  ``generate()`` request;
+* :mod:`.pipelines`: a running pipeline's tokenizer, for content capture (no span of its own).
 """

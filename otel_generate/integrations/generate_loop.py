@@ -320,7 +320,16 @@ class Call:
         return result
 
     def _assemble(self, result: Any, exc: Optional[BaseException]) -> None:
-        """Fill the record from the loops that ran (or from the call itself when none could be seen)."""
+        """Fill the record from the loops that ran (or from the call itself when none could be
+        seen), then the opt-in content."""
+        loops = self._account_loops(result, exc)
+        if self.telemetry.content is not None:  # opt-in content capture (otel_generate.content)
+            from otel_generate.integrations.generate_content import fill_request
+
+            fill_request(self, loops, result)
+
+    def _account_loops(self, result: Any, exc: Optional[BaseException]) -> List["Loop"]:
+        """The numbers: steps, tokens, finish reasons and parameters; returns the loops that ran."""
         request = self.request
         params = request.parameters
         loops = [loop for loop in self.loops if loop.observed()]
@@ -328,7 +337,7 @@ class Call:
             params[A.GENERATE_CUSTOM_GENERATE] = self.custom_generate
         if not loops:
             self._account_unobserved(result, exc)
-            return
+            return loops
         first = loops[0]
         for loop in loops:
             if loop.end_ns is None:  # an implicit loop, or a loop cut short by an exception
@@ -359,7 +368,7 @@ class Call:
             request.finish_reasons = first.finish_reasons
             if self.timed and exc is None and first.incomplete:
                 request.incomplete = True
-            return
+            return loops
 
         # several loops: one grouping span each, tokens summed, Whisper's kept decisions applied
         from otel_generate.integrations.whisper import attempt_attributes
@@ -404,8 +413,8 @@ class Call:
             request.output_tokens = total
             if any(loop.whisper is not None for loop in loops):
                 request.discarded_output_tokens = discarded
-        last = loops[-1]
-        request.finish_reasons = last.finish_reasons
+        request.finish_reasons = loops[-1].finish_reasons
+        return loops
 
     def _account_unobserved(self, result: Any, exc: Optional[BaseException]) -> None:
         """No decoding loop could be seen (a ``custom_generate`` or a model's own loop): count the
@@ -465,6 +474,7 @@ class Loop:
         self.whisper: Optional[Dict[str, Any]] = None  # window and attempt, see .whisper
         self.whisper_attempt = 0
         self.whisper_decisions: Dict[int, tuple] = {}
+        self.step_logprobs: Any = None  # opt-in content: set by generate_content's logits-processor hook
         self.result: Any = None
         # what account() fills
         self.step_ends_ns: List[int] = []
