@@ -24,6 +24,8 @@ GEN_AI_REQUEST_CHOICE_COUNT = "gen_ai.request.choice.count"
 GEN_AI_REQUEST_STOP_SEQUENCES = "gen_ai.request.stop_sequences"
 GEN_AI_REQUEST_STREAM = "gen_ai.request.stream"
 GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+#: The request's id (continuous batching's ``request_id``).
+GEN_AI_RESPONSE_ID = "gen_ai.response.id"
 #: Seconds from the start of the request to the streamer's first ``put`` of generated tokens.
 GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
@@ -59,6 +61,8 @@ GENERATE_TIME_PER_OUTPUT_TOKEN = "generate.time_per_output_token"
 GENERATE_BATCH_SIZE = "generate.batch_size"
 GENERATE_NUM_BEAMS = "generate.num_beams"
 GENERATE_STRATEGY = "generate.strategy"
+#: Seconds from the request's submission to the first batch step that included it (continuous batching).
+GENERATE_TIME_IN_QUEUE = "generate.time_in_queue"
 #: Seconds spent inside the streamer's ``put`` and ``end`` calls (part of the step latencies).
 GENERATE_STREAMER_DURATION = "generate.streamer.duration"
 GENERATE_DEVICE = "generate.device"
@@ -120,6 +124,8 @@ GENERATE_STEP_TOKENS = "generate.step.tokens"
 #: The step's duration, seconds.
 GENERATE_STEP_LATENCY = "generate.step.latency"
 GENERATE_STEP_PHASE = "generate.step.phase"
+#: How many requests shared the batch step (continuous batching).
+GENERATE_STEP_REQUESTS = "generate.step.requests"
 #: Opt-in (:mod:`otel_generate.content`): the token ids this step appended, row-major (every
 #: returned sequence's ``generate.step.tokens`` ids in turn), as the returned tensor holds them.
 GENERATE_STEP_TOKEN_IDS = "generate.step.token_ids"

@@ -19,6 +19,7 @@ record's nanoseconds here and nowhere else.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Callable, Collection, Dict, Optional, Sequence
 
 from opentelemetry import context as otel_context
@@ -70,6 +71,9 @@ class Telemetry:
         self.skip_candidate_calls = skip_candidate_calls
         self.profilers = profilers
         self.active = True
+        #: the :class:`~otel_generate.background.BackgroundEmitter` of producers that must not emit
+        #: on their own thread (continuous batching), or ``None``.
+        self.emitter: Any = None
         self.content = content
 
 
@@ -144,7 +148,9 @@ def start_request_span(
     )
 
 
-def finish(telemetry: Telemetry, span: Any, request: Request, profilers: Sequence[Any] = ()) -> Optional[GenerationRecord]:
+def finish(
+    telemetry: Telemetry, span: Any, request: Request, profilers: Sequence[Any] = (), yield_every: int = 0
+) -> Optional[GenerationRecord]:
     """Turn a finished request into telemetry, then end ``span``; never raises.
 
     Args:
@@ -152,6 +158,8 @@ def finish(telemetry: Telemetry, span: Any, request: Request, profilers: Sequenc
         span: the request span from :func:`start_request_span` (recording or not).
         request: the finished record (``end_ns`` set; ``error`` set when the request raised).
         profilers: :class:`~otel_generate.TokenLatencyProfiler` objects to hand the record to.
+        yield_every: on a background thread, yield the interpreter lock after every this many
+            step spans (0: never).
 
     Returns:
         The :class:`GenerationRecord` given to profilers and callers, or ``None`` when building
@@ -159,7 +167,7 @@ def finish(telemetry: Telemetry, span: Any, request: Request, profilers: Sequenc
     """
     record = None
     try:
-        record = _annotate(telemetry, span, request)
+        record = _annotate(telemetry, span, request, yield_every)
     except Exception as fault:
         request.incomplete = True
         log_fault_once("request accounting", fault)
@@ -190,7 +198,7 @@ def finish(telemetry: Telemetry, span: Any, request: Request, profilers: Sequenc
     return record
 
 
-def _annotate(telemetry: Telemetry, span: Any, request: Request) -> GenerationRecord:
+def _annotate(telemetry: Telemetry, span: Any, request: Request, yield_every: int = 0) -> GenerationRecord:
     """Set the request attributes and build the step spans; return the record for the APIs."""
     latencies_ns = request.step_latencies_ns()
     ttft_ns = request.time_to_first_token_ns()
@@ -208,6 +216,10 @@ def _annotate(telemetry: Telemetry, span: Any, request: Request) -> GenerationRe
             attrs[A.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] = (request.first_chunk_ns - request.start_ns) / clock.NS_PER_S
         if request.streamer_ns is not None:
             attrs[A.GENERATE_STREAMER_DURATION] = request.streamer_ns / clock.NS_PER_S
+        if request.request_id is not None:
+            attrs[A.GEN_AI_RESPONSE_ID] = request.request_id
+        if request.queue_ns is not None:
+            attrs[A.GENERATE_TIME_IN_QUEUE] = request.queue_ns / clock.NS_PER_S
         if request.discarded_output_tokens is not None:
             attrs[A.GENERATE_USAGE_DISCARDED_OUTPUT_TOKENS] = request.discarded_output_tokens
         if request.timed:
@@ -233,7 +245,7 @@ def _annotate(telemetry: Telemetry, span: Any, request: Request) -> GenerationRe
             span.record_exception(request.error)
             span.set_status(Status(StatusCode.ERROR, f"{type(request.error).__name__}: {request.error}"))
         span.set_attributes(attrs)
-        _emit_steps(telemetry, span, request, latencies_ns)
+        _emit_steps(telemetry, span, request, latencies_ns, yield_every)
     duration = request.duration_ns()
     return GenerationRecord(
         model=request.model,
@@ -253,7 +265,9 @@ def _annotate(telemetry: Telemetry, span: Any, request: Request) -> GenerationRe
     )
 
 
-def _emit_steps(telemetry: Telemetry, span: Any, request: Request, latencies_ns: Sequence[int]) -> None:
+def _emit_steps(
+    telemetry: Telemetry, span: Any, request: Request, latencies_ns: Sequence[int], yield_every: int = 0
+) -> None:
     """The inner-call spans (when the request ran several loops) and one span per step (the first
     ``max_step_spans``), each step a child of its inner-call span, else of the request span."""
     steps = len(latencies_ns)
@@ -282,6 +296,7 @@ def _emit_steps(telemetry: Telemetry, span: Any, request: Request, latencies_ns:
     bounds = request.step_bounds_ns()
     tokens = request.step_tokens
     prefill = request.prefill_indices()
+    step_requests = request.step_requests
     token_ids = request.step_token_ids or ()  # opt-in content, one list per step
     logprobs = request.step_logprobs or ()
     step_content = bool(token_ids or logprobs)
@@ -296,6 +311,8 @@ def _emit_steps(telemetry: Telemetry, span: Any, request: Request, latencies_ns:
             A.GENERATE_STEP_LATENCY: latencies_ns[index] / clock.NS_PER_S,
             A.GENERATE_STEP_PHASE: phase,
         }
+        if step_requests is not None:
+            attributes[A.GENERATE_STEP_REQUESTS] = step_requests[index]
         if step_content:
             if index < len(token_ids) and token_ids[index]:
                 attributes[A.GENERATE_STEP_TOKEN_IDS] = token_ids[index]
@@ -310,6 +327,8 @@ def _emit_steps(telemetry: Telemetry, span: Any, request: Request, latencies_ns:
         )
         step.end(end_time=end + wall_offset)
         token_index += tokens[index]
+        if yield_every and index % yield_every == yield_every - 1:
+            time.sleep(0)  # a background emitter lets the producer run
 
 
 def _json(messages: Any) -> str:

@@ -1,0 +1,152 @@
+"""Background emission: the telemetry of finished requests built on a worker thread.
+
+A producer that must not spend time on spans (the continuous-batching scheduler thread, or a
+``generate()`` caller with background emission on) hands each finished request to a
+:class:`BackgroundEmitter`: a bounded queue and one daemon thread that runs
+:func:`otel_generate.emit.finish` for it. The worker yields the interpreter lock between jobs
+(and every few spans inside one), so it runs while the producer waits on the device.
+
+Bounded: at most ``max_pending`` requests wait; a request that finds the queue full is not
+emitted, and :attr:`BackgroundEmitter.dropped` counts it (a warning is logged once).
+
+Drained first: ``uninstrument()``, the SDK's ``TracerProvider.force_flush``/``shutdown`` and
+``MeterProvider.force_flush``/``shutdown`` (hooked while an emitter exists, see
+:func:`install_drain_hooks`; that covers interpreter exit and the pool-worker exit flush of
+:mod:`otel_generate._lifecycle`, which call ``shutdown()``) wait for the queue to empty, at most
+their timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import threading
+import time
+from typing import Any, Callable, Deque, Optional
+
+from otel_generate._faults import log_fault_once
+from otel_generate._patch import Patches
+
+#: Requests waiting at most, by default.
+DEFAULT_MAX_PENDING = 1024
+#: How long a drain waits at most when the caller gives no timeout, seconds.
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+
+
+class BackgroundEmitter:
+    """A bounded queue of jobs and one daemon worker thread that runs them in order.
+
+    Args:
+        max_pending: at most this many jobs wait; :meth:`submit` refuses more (never blocks).
+    """
+
+    def __init__(self, max_pending: int = DEFAULT_MAX_PENDING) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        self.max_pending = max_pending
+        self.dropped = 0
+        self._jobs: Deque[Callable[[], None]] = collections.deque()
+        self._busy = False
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._idle = threading.Condition(self._lock)
+        self._thread: Optional[threading.Thread] = None
+        self._pid = os.getpid()
+        self._stopped = False
+
+    def submit(self, job: Callable[[], None]) -> bool:
+        """Queue ``job`` (a callable without arguments); False when the queue was full (counted)."""
+        with self._lock:
+            if os.getpid() != self._pid:  # a forked child: the parent's worker and jobs are not ours
+                self._jobs.clear()
+                self._thread, self._busy, self._pid = None, False, os.getpid()
+            if self._stopped or len(self._jobs) >= self.max_pending:
+                self.dropped += 1
+                full = not self._stopped
+            else:
+                self._jobs.append(job)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="otel_generate-emitter", daemon=True)
+                    self._thread.start()
+                self._wake.notify()
+                return True
+        if full:
+            log_fault_once("background emission", RuntimeError(
+                f"the background emitter's queue is full ({self.max_pending} requests); requests are dropped and "
+                "counted"
+            ))
+        return False
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._jobs) + (1 if self._busy else 0)
+
+    def drain(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait until every queued job ran, at most ``timeout_s`` seconds; True when it did."""
+        deadline = time.monotonic() + (DEFAULT_DRAIN_TIMEOUT_S if timeout_s is None else timeout_s)
+        with self._lock:
+            if self._thread is threading.current_thread():
+                return not self._jobs  # a job that flushes the provider must not wait for itself
+            while self._jobs or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._thread is None or not self._thread.is_alive():
+                    return False
+                self._idle.wait(left)
+            return True
+
+    def stop(self, timeout_s: Optional[float] = None) -> bool:
+        """Drain, then refuse new jobs."""
+        drained = self.drain(timeout_s)
+        with self._lock:
+            self._stopped = True
+            self._wake.notify_all()
+        return drained
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._jobs and not self._stopped:
+                    self._wake.wait()
+                if not self._jobs:
+                    return
+                job = self._jobs.popleft()
+                self._busy = True
+            try:
+                job()
+            except Exception as fault:  # a job never kills the worker
+                log_fault_once("background emission", fault)
+            finally:
+                with self._lock:
+                    self._busy = False
+                    if not self._jobs:
+                        self._idle.notify_all()
+            time.sleep(0)  # yield the interpreter lock to the producer
+
+
+def _timeout_s(args: tuple, kwargs: dict) -> Optional[float]:
+    millis = kwargs.get("timeout_millis", args[0] if args else None)
+    return None if millis is None else float(millis) / 1000.0
+
+
+def make_draining(original: Callable, emitter: BackgroundEmitter) -> Callable:
+    """A provider's ``force_flush``/``shutdown`` that first waits for the emitter's queue."""
+
+    @functools.wraps(original)
+    def draining(self, *args, **kwargs):
+        emitter.drain(_timeout_s(args, kwargs))
+        return original(self, *args, **kwargs)
+
+    return draining
+
+
+def install_drain_hooks(patches: Patches, emitter: BackgroundEmitter) -> None:
+    """Make the SDK's providers drain ``emitter`` before they flush or shut down."""
+    try:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.trace import TracerProvider
+    except ImportError:  # no SDK: nothing exports, nothing to drain into
+        return
+    for cls in (TracerProvider, MeterProvider):
+        for name in ("force_flush", "shutdown"):
+            patches.replace(cls, name, make_draining, emitter)
