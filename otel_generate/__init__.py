@@ -46,8 +46,27 @@ Configuration
   ids) on the step spans, for greedy and sampling requests. Environment:
   ``OTEL_GENERATE_CAPTURE_STEP_LOGPROBS``.
 
+* ``step_spans`` (``"all"``, ``"none"`` or ``"slow"``; default ``"all"``): which requests get
+  step spans. ``slow``: only requests that failed, whose time to first token exceeds
+  ``slow_time_to_first_token`` (seconds, default 1.0), whose time per output token exceeds
+  ``slow_time_per_output_token`` (seconds, default 0.1), or that are among the slowest
+  ``slow_fraction`` (default 0.05) of the recent requests of the same model. Every request span
+  with timed steps carries ``generate.step.latencies`` either way. Environment:
+  ``OTEL_GENERATE_STEP_SPANS``, ``OTEL_GENERATE_SLOW_TIME_TO_FIRST_TOKEN``,
+  ``OTEL_GENERATE_SLOW_TIME_PER_OUTPUT_TOKEN``, ``OTEL_GENERATE_SLOW_FRACTION``.
+* ``outlier_factor`` (number >= 1, default 3.0): a decode step slower than this many times the
+  request's median decode step is flagged ``generate.step.outlier``. Environment:
+  ``OTEL_GENERATE_STEP_OUTLIER_FACTOR``.
+* ``background_emission`` (bool, default ``False``): build a finished request's spans and
+  metrics on a worker thread; ``generate()`` returns before its step spans exist. The SDK
+  providers' ``force_flush()``/``shutdown()`` wait for them. Environment:
+  ``OTEL_GENERATE_BACKGROUND_EMISSION``.
+* ``measure_memory`` (bool, default ``True``): on CUDA, the peak memory allocated during each
+  request (resets ``torch.cuda``'s peak statistic at its start). Environment:
+  ``OTEL_GENERATE_MEASURE_MEMORY``.
+
 Keyword arguments win over environment variables; an environment value that cannot be parsed
-is reported once with a warning and the default is used. Suppressing instrumentation
+is reported once with a warning and the default is used (see :mod:`otel_generate.options`). Suppressing instrumentation
 (``opentelemetry.instrumentation.utils.suppress_instrumentation``) or an unsampled request span
 turns all per-step work off.
 """
@@ -55,16 +74,17 @@ turns all per-step work off.
 from __future__ import annotations
 
 import logging
-import os
-from typing import Any, Collection, Dict
+from typing import Any, Collection
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from otel_generate import _lifecycle, _versions
 from otel_generate import content as _content
+from otel_generate import options as _options
 from otel_generate._patch import Patches
 from otel_generate.emit import Telemetry, create_instruments, get_event_logger, get_tracer
 from otel_generate.integrations import generate_loop, overrides, whisper
+from otel_generate.options import DEFAULT_MAX_STEP_SPANS, ENV_MAX_STEP_SPANS, ENV_SYNCHRONIZE  # noqa: F401  (public names)
 from otel_generate.package import _instruments
 from otel_generate.record import GenerationRecord
 from otel_generate.version import __version__
@@ -73,130 +93,18 @@ __all__ = ["GenerateInstrumentor", "GenerationRecord", "TokenLatencyProfiler", "
 
 _LOG = logging.getLogger("otel_generate")
 
-ENV_SYNCHRONIZE = "OTEL_GENERATE_SYNCHRONIZE"
-ENV_MAX_STEP_SPANS = "OTEL_GENERATE_MAX_STEP_SPANS"
-DEFAULT_MAX_STEP_SPANS = 1024
 
-_OPTIONS = (
-    "tracer_provider",
-    "meter_provider",
-    "logger_provider",
-    "synchronize",
-    "max_step_spans",
-    "capture_message_content",
-    "capture_step_token_ids",
-    "capture_step_logprobs",
-)
-
-_TRUE = {"1", "true", "yes", "on"}
-_warned_env: set = set()  # (variable, value) pairs already reported: one warning per process
-_FALSE = {"0", "false", "no", "off"}
-
-
-def _warn_env(name: str, raw: str, expected: str, default: Any) -> None:
-    if (name, raw) not in _warned_env:
-        _warned_env.add((name, raw))
-        _LOG.warning("otel_generate: %s=%r is not %s; using the default %s", name, raw, expected, default)
-
-
-def _env_bool(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    _warn_env(name, raw, "a boolean (true/false)", default)
-    return default
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = int(raw.strip())
-        if value < 0:
-            raise ValueError
-    except ValueError:
-        _warn_env(name, raw, "a non-negative integer", default)
-        return default
-    return value
-
-
-def _env_content_mode() -> "_content.ContentMode":
-    raw = os.environ.get(_content.ENV_CAPTURE_MESSAGE_CONTENT)
-    if raw is None:
-        return _content.ContentMode.NO_CONTENT
-    try:
-        return _content.parse_mode(raw)
-    except ValueError:
-        _warn_env(_content.ENV_CAPTURE_MESSAGE_CONTENT, raw, f"one of {_content.ACCEPTED_MODES}", "NO_CONTENT")
-        return _content.ContentMode.NO_CONTENT
-
-
-def _bool_option(kwargs: Dict[str, Any], name: str, env: str) -> bool:
-    value = kwargs.get(name)
-    if value is None:
-        return _env_bool(env, False)
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _resolve_options(kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """Validate ``instrument()`` keywords; environment variables fill what is not given."""
-    unknown = sorted(set(kwargs) - set(_OPTIONS))
-    if unknown:
-        raise TypeError(
-            f"GenerateInstrumentor.instrument() got unknown option(s) {', '.join(map(repr, unknown))}; "
-            f"expected some of {', '.join(_OPTIONS)}"
-        )
-    for name, method in (
-        ("tracer_provider", "get_tracer"), ("meter_provider", "get_meter"), ("logger_provider", "get_logger")
-    ):
-        provider = kwargs.get(name)
-        if provider is not None and not callable(getattr(provider, method, None)):
-            raise TypeError(f"{name} must be an OpenTelemetry provider with {method}(), got {type(provider).__name__} {provider!r}")
-    synchronize = kwargs.get("synchronize")
-    if synchronize is None:
-        synchronize = _env_bool(ENV_SYNCHRONIZE, True)
-    elif not isinstance(synchronize, bool):
-        raise TypeError(f"synchronize must be a bool, got {type(synchronize).__name__} {synchronize!r}")
-    max_step_spans = kwargs.get("max_step_spans")
-    if max_step_spans is None:
-        max_step_spans = _env_int(ENV_MAX_STEP_SPANS, DEFAULT_MAX_STEP_SPANS)
-    elif isinstance(max_step_spans, bool) or not isinstance(max_step_spans, int):
-        raise TypeError(f"max_step_spans must be an int, got {type(max_step_spans).__name__} {max_step_spans!r}")
-    elif max_step_spans < 0:
-        raise ValueError(f"max_step_spans must be >= 0, got {max_step_spans}")
-    mode = kwargs.get("capture_message_content")
-    mode = _env_content_mode() if mode is None else _content.parse_mode(mode)  # TypeError / ValueError
-    return {
-        "tracer_provider": kwargs.get("tracer_provider"),
-        "meter_provider": kwargs.get("meter_provider"),
-        "logger_provider": kwargs.get("logger_provider"),
-        "synchronize": synchronize,
-        "max_step_spans": max_step_spans,
-        "capture_message_content": mode,
-        "capture_step_token_ids": _bool_option(kwargs, "capture_step_token_ids", _content.ENV_CAPTURE_STEP_TOKEN_IDS),
-        "capture_step_logprobs": _bool_option(kwargs, "capture_step_logprobs", _content.ENV_CAPTURE_STEP_LOGPROBS),
-    }
-
-
-def _content_options(options: Dict[str, Any]) -> Any:
+def _content_options(options: _options.Options) -> Any:
     """The :class:`~otel_generate.content.ContentOptions` to capture, or ``None`` when nothing is."""
-    mode = options["capture_message_content"]
-    token_ids, logprobs = options["capture_step_token_ids"], options["capture_step_logprobs"]
+    mode = options.capture_message_content
+    token_ids, logprobs = options.capture_step_token_ids, options.capture_step_logprobs
     if mode is _content.ContentMode.NO_CONTENT and not token_ids and not logprobs:
         return None
     return _content.ContentOptions(
         mode=mode,
         step_token_ids=token_ids or logprobs,
         step_logprobs=logprobs,
-        event_logger=get_event_logger(options["logger_provider"]) if mode.on_event else None,
+        event_logger=get_event_logger(options.logger_provider) if mode.on_event else None,
     )
 
 
@@ -227,7 +135,7 @@ class GenerateInstrumentor(BaseInstrumentor):
         return super().instrument(**kwargs)
 
     def _instrument(self, **kwargs: Any) -> None:
-        options = _resolve_options(kwargs)
+        options = _options.resolve(kwargs)
         from transformers.generation.utils import GenerationMixin
 
         from otel_generate.profiler import active_profilers
@@ -239,13 +147,14 @@ class GenerateInstrumentor(BaseInstrumentor):
                 ", ".join(missing),
             )
         telemetry = Telemetry(
-            tracer=get_tracer(options["tracer_provider"]),
-            instruments=create_instruments(options["meter_provider"]),
-            synchronize=options["synchronize"],
-            max_step_spans=options["max_step_spans"],
+            tracer=get_tracer(options.tracer_provider),
+            instruments=create_instruments(options.meter_provider),
+            synchronize=options.synchronize,
+            max_step_spans=options.max_step_spans,
             skip_candidate_calls=generate_loop.assisted_calls_criteria_on_candidates(GenerationMixin),
             profilers=active_profilers,
             content=_content_options(options),
+            options=options,
         )
         # Every patch, in one place: GenerationMixin's loop (generate_loop), every model class's own
         # generate() and custom_generate (overrides), Whisper's windows (whisper), and, only when
@@ -262,12 +171,15 @@ class GenerateInstrumentor(BaseInstrumentor):
                 pipelines.install(patches, telemetry)
             if telemetry.content.step_logprobs:
                 generate_content.install(patches, telemetry, GenerationMixin)
+        if options.background_emission:
+            telemetry.start_emitter(patches)
         self._telemetry, self._patches = telemetry, patches
-        _lifecycle.enable(options["tracer_provider"], options["meter_provider"])  # pool workers flush on exit
+        _lifecycle.enable(options.tracer_provider, options.meter_provider)  # pool workers flush on exit
 
     def _uninstrument(self, **kwargs: Any) -> None:
         telemetry, patches = getattr(self, "_telemetry", None), getattr(self, "_patches", None)
         if telemetry is not None:
+            telemetry.stop_emitter()  # what it still holds is emitted first
             telemetry.active = False  # hooks still reachable (a bound method held somewhere) only call through
         if patches is not None:
             patches.restore_all()

@@ -67,8 +67,26 @@ GENERATE_TIME_IN_QUEUE = "generate.time_in_queue"
 GENERATE_STREAMER_DURATION = "generate.streamer.duration"
 GENERATE_DEVICE = "generate.device"
 GENERATE_SYNCHRONIZED = "generate.synchronized"
-#: Number of decode steps that were timed but not emitted as step spans (``max_step_spans`` cap).
+#: Number of decode steps that were timed but not emitted as step spans (``max_step_spans`` cap,
+#: or the step-span policy).
 GENERATE_STEP_SPANS_DROPPED = "generate.step_spans.dropped"
+#: The step-span policy that applied (``all``, ``none``, ``slow``) and whether this request's steps were emitted.
+GENERATE_STEP_SPANS_POLICY = "generate.step_spans.policy"
+GENERATE_STEP_SPANS_EMITTED = "generate.step_spans.emitted"
+#: Why the ``slow`` policy emitted them: ``error``, ``time_to_first_token``, ``time_per_output_token``, ``slowest_fraction``.
+GENERATE_STEP_SPANS_REASON = "generate.step_spans.reason"
+#: Every step's latency in seconds, in order (capped like ``max_step_spans``).
+GENERATE_STEP_LATENCIES = "generate.step.latencies"
+#: Decode steps slower than ``outlier_factor`` times the request's median decode step.
+GENERATE_STEP_OUTLIERS = "generate.step.outliers"
+#: Bytes: the peak of ``torch.cuda.max_memory_allocated`` during the request (CUDA only).
+GENERATE_MEMORY_PEAK_ALLOCATED = "generate.memory.peak_allocated"
+#: Bytes held by the key/value cache's tensors when the request ended.
+GENERATE_KV_CACHE_SIZE = "generate.kv_cache.size"
+#: Assisted decoding: candidate tokens proposed, accepted by the model, and accepted / proposed.
+GENERATE_ASSISTED_PROPOSED = "generate.assisted.candidates.proposed"
+GENERATE_ASSISTED_ACCEPTED = "generate.assisted.candidates.accepted"
+GENERATE_ASSISTED_ACCEPTANCE_RATE = "generate.assisted.acceptance_rate"
 #: True when some step data is missing or unreliable because of a fault inside the instrumentation.
 GENERATE_STEPS_INCOMPLETE = "generate.steps.incomplete"
 #: Why no step was timed although the request generated: a loop the instrumentation cannot see into.
@@ -123,7 +141,8 @@ GENERATE_TOKEN_INDEX = "generate.token.index"
 GENERATE_STEP_TOKENS = "generate.step.tokens"
 #: The step's duration, seconds.
 GENERATE_STEP_LATENCY = "generate.step.latency"
-GENERATE_STEP_PHASE = "generate.step.phase"
+#: True on a decode step slower than ``outlier_factor`` times the request's median decode step (absent otherwise).
+GENERATE_STEP_OUTLIER = "generate.step.outlier"
 #: How many requests shared the batch step (continuous batching).
 GENERATE_STEP_REQUESTS = "generate.step.requests"
 #: Opt-in (:mod:`otel_generate.content`): the token ids this step appended, row-major (every
@@ -134,6 +153,7 @@ GENERATE_STEP_TOKEN_IDS = "generate.step.token_ids"
 GENERATE_STEP_LOGPROBS = "generate.step.logprobs"
 PHASE_PREFILL = STEP_SPAN_PREFILL
 PHASE_DECODE = STEP_SPAN_DECODE
+POLICY_ALL, POLICY_NONE, POLICY_SLOW = "all", "none", "slow"
 
 # --- GenAI semantic conventions: metrics ------------------------------------------------------
 METRIC_TIME_TO_FIRST_TOKEN = "gen_ai.server.time_to_first_token"

@@ -52,6 +52,10 @@ class Telemetry:
             wrappers then only calls its original.
         content: the opt-in content to capture (:class:`~otel_generate.content.ContentOptions`),
             or ``None`` when none is: then no content code runs at all.
+        options: the resolved :class:`~otel_generate.options.Options`.
+        emitter: the :class:`~otel_generate.background.BackgroundEmitter` (background emission,
+            continuous batching), or ``None``.
+        slow: the running distributions of the ``slow`` step-span policy, or ``None``.
     """
 
     def __init__(
@@ -63,7 +67,11 @@ class Telemetry:
         skip_candidate_calls: bool,
         profilers: Callable[[], Sequence[Any]],
         content: Any = None,
+        options: Any = None,
     ) -> None:
+        from otel_generate.options import Options
+        from otel_generate.policy import SlowRequests
+
         self.tracer = tracer
         self.instruments = instruments or {}
         self.synchronize = synchronize
@@ -71,10 +79,49 @@ class Telemetry:
         self.skip_candidate_calls = skip_candidate_calls
         self.profilers = profilers
         self.active = True
-        #: the :class:`~otel_generate.background.BackgroundEmitter` of producers that must not emit
-        #: on their own thread (continuous batching), or ``None``.
-        self.emitter: Any = None
         self.content = content
+        self.options = options if options is not None else Options(synchronize=synchronize, max_step_spans=max_step_spans)
+        self.emitter: Any = None
+        self.slow = None
+        if self.options.step_spans == A.POLICY_SLOW:
+            self.slow = SlowRequests(
+                self.options.slow_time_to_first_token, self.options.slow_time_per_output_token, self.options.slow_fraction
+            )
+
+    def start_emitter(self, patches: Any) -> Any:
+        """The background emitter (created once), with the SDK providers draining it first."""
+        if self.emitter is None:
+            from otel_generate.background import BackgroundEmitter, install_drain_hooks
+
+            self.emitter = BackgroundEmitter()
+            install_drain_hooks(patches, self.emitter)
+        return self.emitter
+
+    def stop_emitter(self) -> None:
+        if self.emitter is not None:
+            self.emitter.stop()
+
+    def emit(self, span: Any, request: Request, profilers: Sequence[Any] = ()) -> tuple:
+        """:func:`finish` now, or on the background emitter when background emission is on (and no
+        profiler waits for the record).
+
+        Returns:
+            ``(record, deferred)``: the record when built now (else ``None``), and whether the
+            request was handed to the emitter (a full emitter drops it, counted and logged once).
+        """
+        emitter = self.emitter
+        if emitter is not None and self.options.background_emission and not profilers:
+            def job() -> None:
+                finish(self, span, request, (), yield_every=BACKGROUND_YIELD_EVERY)
+                request.error = None  # the traceback holds the caller's frames
+
+            emitter.submit(job)
+            return None, True
+        return finish(self, span, request, profilers), False
+
+
+#: On the background emitter, yield the interpreter lock after every this many step spans.
+BACKGROUND_YIELD_EVERY = 16
 
 
 def get_tracer(tracer_provider: Any = None) -> trace.Tracer:
@@ -201,6 +248,7 @@ def finish(
 def _annotate(telemetry: Telemetry, span: Any, request: Request, yield_every: int = 0) -> GenerationRecord:
     """Set the request attributes and build the step spans; return the record for the APIs."""
     latencies_ns = request.step_latencies_ns()
+    latencies_s = [latency / clock.NS_PER_S for latency in latencies_ns]
     ttft_ns = request.time_to_first_token_ns()
     tpot_ns = request.time_per_output_token_ns()
     etype = error_type(request.error) if request.error is not None else None
@@ -222,6 +270,18 @@ def _annotate(telemetry: Telemetry, span: Any, request: Request, yield_every: in
             attrs[A.GENERATE_TIME_IN_QUEUE] = request.queue_ns / clock.NS_PER_S
         if request.discarded_output_tokens is not None:
             attrs[A.GENERATE_USAGE_DISCARDED_OUTPUT_TOKENS] = request.discarded_output_tokens
+        for key, value in (
+            (A.GENERATE_MEMORY_PEAK_ALLOCATED, request.memory_peak_bytes),
+            (A.GENERATE_KV_CACHE_SIZE, request.kv_cache_bytes),
+            (A.GENERATE_ASSISTED_PROPOSED, request.candidates_proposed),
+            (A.GENERATE_ASSISTED_ACCEPTED, request.candidates_accepted),
+        ):
+            if value is not None:
+                attrs[key] = value
+        if request.candidates_proposed and request.candidates_accepted is not None:
+            attrs[A.GENERATE_ASSISTED_ACCEPTANCE_RATE] = request.candidates_accepted / request.candidates_proposed
+        outliers: frozenset = frozenset()
+        emit_steps = False
         if request.timed:
             attrs[A.GENERATE_SYNCHRONIZED] = request.synchronized
             if request.device is not None:
@@ -230,6 +290,11 @@ def _annotate(telemetry: Telemetry, span: Any, request: Request, yield_every: in
                 attrs[A.GENERATE_STEPS_UNOBSERVED] = request.unobserved
             else:
                 attrs[A.GENERATE_STEPS] = len(latencies_ns)
+                emit_steps = _step_policy(telemetry, request, attrs, seconds(ttft_ns), seconds(tpot_ns))
+                if latencies_s:
+                    attrs[A.GENERATE_STEP_LATENCIES] = latencies_s[: telemetry.max_step_spans]
+                outliers = _outliers(request, latencies_ns, telemetry.options.outlier_factor)
+                attrs[A.GENERATE_STEP_OUTLIERS] = len(outliers)
             if ttft_ns is not None:
                 attrs[A.GENERATE_TIME_TO_FIRST_TOKEN] = ttft_ns / clock.NS_PER_S
             if tpot_ns is not None:
@@ -244,8 +309,11 @@ def _annotate(telemetry: Telemetry, span: Any, request: Request, yield_every: in
             attrs[A.ERROR_TYPE] = etype
             span.record_exception(request.error)
             span.set_status(Status(StatusCode.ERROR, f"{type(request.error).__name__}: {request.error}"))
+        emitted = min(len(latencies_ns), telemetry.max_step_spans) if emit_steps else 0
+        if request.unobserved is None:
+            attrs[A.GENERATE_STEP_SPANS_DROPPED] = len(latencies_ns) - emitted
         span.set_attributes(attrs)
-        _emit_steps(telemetry, span, request, latencies_ns, yield_every)
+        _emit_steps(telemetry, span, request, latencies_s, emitted, outliers, yield_every)
     duration = request.duration_ns()
     return GenerationRecord(
         model=request.model,
@@ -253,7 +321,7 @@ def _annotate(telemetry: Telemetry, span: Any, request: Request, yield_every: in
         device=request.device,
         synchronized=request.synchronized,
         duration_s=seconds(duration) if duration is not None else 0.0,
-        step_latencies_s=[lat / clock.NS_PER_S for lat in latencies_ns],
+        step_latencies_s=latencies_s,
         step_tokens=list(request.step_tokens),
         input_tokens=request.input_tokens,
         output_tokens=request.output_tokens,
@@ -265,15 +333,52 @@ def _annotate(telemetry: Telemetry, span: Any, request: Request, yield_every: in
     )
 
 
+def _step_policy(
+    telemetry: Telemetry, request: Request, attrs: Dict[str, Any], ttft_s: Optional[float], tpot_s: Optional[float]
+) -> bool:
+    """Whether this request's steps become spans (the step-span policy); says so on the request span."""
+    policy = telemetry.options.step_spans
+    attrs[A.GENERATE_STEP_SPANS_POLICY] = policy
+    if policy == A.POLICY_ALL:
+        emit = True
+    elif policy == A.POLICY_NONE:
+        emit = False
+    else:
+        reason = telemetry.slow.reason(request.model, request.error is not None, ttft_s, tpot_s)
+        emit = reason is not None
+        if reason is not None:
+            attrs[A.GENERATE_STEP_SPANS_REASON] = reason
+    attrs[A.GENERATE_STEP_SPANS_EMITTED] = emit and telemetry.max_step_spans > 0 and bool(request.step_ends_ns)
+    return emit
+
+
+def _outliers(request: Request, latencies_ns: Sequence[int], factor: float) -> frozenset:
+    """Decode steps slower than ``factor`` times the median decode step of the request."""
+    prefill = request.prefill_indices()
+    decode = [latency for index, latency in enumerate(latencies_ns) if index not in prefill]
+    if len(decode) < 3:
+        return frozenset()
+    ordered = sorted(decode)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    limit = factor * median
+    return frozenset(
+        index for index, latency in enumerate(latencies_ns) if index not in prefill and latency > limit
+    )
+
+
 def _emit_steps(
-    telemetry: Telemetry, span: Any, request: Request, latencies_ns: Sequence[int], yield_every: int = 0
+    telemetry: Telemetry,
+    span: Any,
+    request: Request,
+    latencies_s: Sequence[float],
+    emitted: int,
+    outliers: frozenset = frozenset(),
+    yield_every: int = 0,
 ) -> None:
-    """The inner-call spans (when the request ran several loops) and one span per step (the first
-    ``max_step_spans``), each step a child of its inner-call span, else of the request span."""
-    steps = len(latencies_ns)
-    emitted = min(steps, telemetry.max_step_spans)
-    if request.unobserved is None:
-        span.set_attribute(A.GENERATE_STEP_SPANS_DROPPED, steps - emitted)
+    """The inner-call spans (when the request ran several loops) and the first ``emitted`` step
+    spans, each step a child of its inner-call span, else of the request span. The hot loop of
+    emission: everything it reads is bound to a local first."""
     tracer = telemetry.tracer
     wall_offset = request.start_wall_ns - request.start_ns
     parent = trace.set_span_in_context(span)
@@ -292,40 +397,37 @@ def _emit_steps(
             parents[index] = context
     if not emitted:
         return
-    start_tracer_span = tracer.start_span
+    start_span = tracer.start_span
+    internal = SpanKind.INTERNAL
     bounds = request.step_bounds_ns()
     tokens = request.step_tokens
     prefill = request.prefill_indices()
     step_requests = request.step_requests
     token_ids = request.step_token_ids or ()  # opt-in content, one list per step
     logprobs = request.step_logprobs or ()
-    step_content = bool(token_ids or logprobs)
+    extra = bool(step_requests is not None or token_ids or logprobs or outliers)
+    INDEX, TOKEN, TOKENS, LATENCY = A.GENERATE_STEP_INDEX, A.GENERATE_TOKEN_INDEX, A.GENERATE_STEP_TOKENS, A.GENERATE_STEP_LATENCY
+    PREFILL, DECODE = A.STEP_SPAN_PREFILL, A.STEP_SPAN_DECODE
     token_index = 0
     for index in range(emitted):
-        phase = A.PHASE_PREFILL if index in prefill else A.PHASE_DECODE
         start, end = bounds[index]
-        attributes = {
-            A.GENERATE_STEP_INDEX: index,
-            A.GENERATE_TOKEN_INDEX: token_index,
-            A.GENERATE_STEP_TOKENS: tokens[index],
-            A.GENERATE_STEP_LATENCY: latencies_ns[index] / clock.NS_PER_S,
-            A.GENERATE_STEP_PHASE: phase,
-        }
-        if step_requests is not None:
-            attributes[A.GENERATE_STEP_REQUESTS] = step_requests[index]
-        if step_content:
+        attributes = {INDEX: index, TOKEN: token_index, TOKENS: tokens[index], LATENCY: latencies_s[index]}
+        if extra:
+            if step_requests is not None:
+                attributes[A.GENERATE_STEP_REQUESTS] = step_requests[index]
+            if index in outliers:
+                attributes[A.GENERATE_STEP_OUTLIER] = True
             if index < len(token_ids) and token_ids[index]:
                 attributes[A.GENERATE_STEP_TOKEN_IDS] = token_ids[index]
             if index < len(logprobs) and logprobs[index]:
                 attributes[A.GENERATE_STEP_LOGPROBS] = logprobs[index]
-        step = start_tracer_span(
-            phase,
+        start_span(
+            PREFILL if index in prefill else DECODE,
             context=parents[index],
-            kind=SpanKind.INTERNAL,
+            kind=internal,
             start_time=start + wall_offset,
             attributes=attributes,
-        )
-        step.end(end_time=end + wall_offset)
+        ).end(end_time=end + wall_offset)
         token_index += tokens[index]
         if yield_every and index % yield_every == yield_every - 1:
             time.sleep(0)  # a background emitter lets the producer run

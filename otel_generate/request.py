@@ -78,6 +78,9 @@ class Request:
         queue_ns: from the start (submission) to the first batch step that included the
             request, or ``None``.
         request_id: the producer's id of the request (``gen_ai.response.id``), or ``None``.
+        memory_peak_bytes: peak device memory allocated during the request (CUDA), or ``None``.
+        kv_cache_bytes: bytes held by the key/value cache when the request ended, or ``None``.
+        candidates_proposed, candidates_accepted: assisted decoding's candidate tokens, or ``None``.
         input_messages, output_messages: opt-in content (:mod:`otel_generate.content`): the
             conventions' message structures as plain lists of dicts, or ``None`` when not captured.
         step_token_ids: opt-in, one list of token ids per step that gets a span (row-major
@@ -112,6 +115,10 @@ class Request:
     step_requests: Optional[List[int]] = None
     queue_ns: Optional[int] = None
     request_id: Optional[str] = None
+    memory_peak_bytes: Optional[int] = None
+    kv_cache_bytes: Optional[int] = None
+    candidates_proposed: Optional[int] = None
+    candidates_accepted: Optional[int] = None
     input_messages: Optional[List[Dict[str, Any]]] = None
     output_messages: Optional[List[Dict[str, Any]]] = None
     step_token_ids: Optional[List[List[int]]] = None

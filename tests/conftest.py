@@ -112,6 +112,21 @@ def tokenizer():
     return char_tokenizer()
 
 
+def contract_table(heading):
+    """``{attribute: type}`` of the table under ``heading`` (e.g. ``"## Request span"``) in docs/contract.md."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "contract.md").read_text()
+    section = text.split("\n" + heading + "\n", 1)[1].split("\n## ", 1)[0]
+    table = {}
+    for line in section.splitlines():
+        match = re.match(r"^\|\s*`([^`]+)`\s*\|\s*([^|]+?)\s*\|", line)
+        if match:
+            table[match.group(1)] = match.group(2)
+    return table
+
+
 def request_spans(exporter):
     return [s for s in exporter.get_finished_spans() if s.name.startswith(A.OPERATION_TEXT_COMPLETION + " ")]
 

@@ -60,7 +60,7 @@ from otel_generate.integrations import step_hook as _recorder
 from otel_generate import attributes as A
 from otel_generate.bench.models import build_model
 
-from conftest import console_spans, prompt, request_spans, step_spans, uninstrumented_generate
+from conftest import console_spans, contract_table, prompt, request_spans, step_spans, uninstrumented_generate
 
 LOGGER = "otel_generate"
 
@@ -71,7 +71,8 @@ REQUEST_CONTRACT = {
     A.GEN_AI_USAGE_INPUT_TOKENS, A.GEN_AI_USAGE_OUTPUT_TOKENS, A.GEN_AI_RESPONSE_FINISH_REASONS,
     A.GENERATE_STEPS, A.GENERATE_TIME_TO_FIRST_TOKEN, A.GENERATE_TIME_PER_OUTPUT_TOKEN,
     A.GENERATE_BATCH_SIZE, A.GENERATE_NUM_BEAMS, A.GENERATE_STRATEGY, A.GENERATE_DEVICE,
-    A.GENERATE_SYNCHRONIZED, A.GENERATE_STEP_SPANS_DROPPED,
+    A.GENERATE_SYNCHRONIZED, A.GENERATE_STEP_SPANS_DROPPED, A.GENERATE_STEP_SPANS_POLICY,
+    A.GENERATE_STEP_SPANS_EMITTED, A.GENERATE_STEP_LATENCIES, A.GENERATE_STEP_OUTLIERS, A.GENERATE_KV_CACHE_SIZE,
 }
 #: Added when sampling / when more than one sequence per prompt is returned.
 SAMPLING_CONTRACT = {A.GEN_AI_REQUEST_TEMPERATURE, A.GEN_AI_REQUEST_TOP_P, A.GEN_AI_REQUEST_TOP_K}
@@ -79,14 +80,10 @@ CHOICES_CONTRACT = {A.GEN_AI_REQUEST_CHOICE_COUNT}
 #: Added when a streamer is passed (and the request is timed) / when stop_strings are given.
 STREAM_CONTRACT = {A.GEN_AI_REQUEST_STREAM, A.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, A.GENERATE_STREAMER_DURATION}
 STOP_CONTRACT = {A.GEN_AI_REQUEST_STOP_SEQUENCES}
-STEP_CONTRACT = {
-    A.GENERATE_STEP_INDEX, A.GENERATE_TOKEN_INDEX, A.GENERATE_STEP_TOKENS, A.GENERATE_STEP_LATENCY,
-    A.GENERATE_STEP_PHASE,
-}
-#: The most attributes a request span can carry (docs/production.md: keep attribute count limits at or above it).
-MAX_REQUEST_ATTRIBUTES = (
-    len(REQUEST_CONTRACT | SAMPLING_CONTRACT | CHOICES_CONTRACT | STREAM_CONTRACT | STOP_CONTRACT) + 1  # + steps.incomplete
-)
+STEP_CONTRACT = {A.GENERATE_STEP_INDEX, A.GENERATE_TOKEN_INDEX, A.GENERATE_STEP_TOKENS, A.GENERATE_STEP_LATENCY}
+#: A bound on the attributes of a request span: every attribute of the contract's request-span table
+#: (docs/production.md: keep attribute count limits at or above it).
+MAX_REQUEST_ATTRIBUTES = len(contract_table("## Request span"))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -133,7 +130,7 @@ def fresh_fault_log(monkeypatch):
 
 @pytest.fixture
 def no_package_env(monkeypatch):
-    monkeypatch.setattr(otel_generate, "_warned_env", set())  # each test sees its own first warning
+    monkeypatch.setattr(otel_generate.options, "_warned_env", set())  # each test sees its own first warning
     for name in ("OTEL_GENERATE_SYNCHRONIZE", "OTEL_GENERATE_MAX_STEP_SPANS", "OTEL_BSP_MAX_QUEUE_SIZE",
                  "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "OTEL_ATTRIBUTE_COUNT_LIMIT", "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT",
                  "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT"):
@@ -529,11 +526,11 @@ def test_contract_attributes_survive_span_limits(limits, no_package_env, gpt2):
 
 def test_the_largest_request_span_fits_the_documented_bound(no_package_env, fresh_fault_log, monkeypatch, gpt2,
                                                             tokenizer):
-    """Sampling, several sequences, a streamer, stop strings and a fault (incomplete):
-    MAX_REQUEST_ATTRIBUTES attributes, none dropped."""
+    """Sampling, several sequences, a streamer, stop strings, the slow policy's reason, content capture
+    and a fault (incomplete): every attribute kept under a limit of MAX_REQUEST_ATTRIBUTES."""
     from transformers.generation.streamers import BaseStreamer
 
-    assert MAX_REQUEST_ATTRIBUTES == 26  # docs/production.md and the README state this number
+    assert MAX_REQUEST_ATTRIBUTES == 45  # docs/production.md states this number
     monkeypatch.setattr(clock, "devices_of", lambda model: ["cuda:0"])
 
     def broken_synchronize(device=None):
@@ -549,12 +546,25 @@ def test_the_largest_request_span_fits_the_documented_bound(no_package_env, fres
     monkeypatch.setattr(torch.cuda, "synchronize", broken_synchronize)
     provider, exporter = provider_with(span_limits=SpanLimits(max_span_attributes=MAX_REQUEST_ATTRIBUTES))
     ids, mask = prompt(length=4, seed=23)
-    with instrumentation(tracer_provider=provider):
+    with instrumentation(tracer_provider=provider, step_spans="slow", slow_time_to_first_token=1e-9,
+                         capture_message_content=True, measure_memory=False):
         torch.manual_seed(0)
         gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None, do_sample=True,
                       num_return_sequences=2, streamer=Sink(), stop_strings=["zz"], tokenizer=tokenizer)
     request = only_request(exporter)
-    assert len(request.attributes) == MAX_REQUEST_ATTRIBUTES and request.dropped_attributes == 0
+    assert request.dropped_attributes == 0
+    expected = (
+        REQUEST_CONTRACT | SAMPLING_CONTRACT | CHOICES_CONTRACT | STREAM_CONTRACT | STOP_CONTRACT
+        | {A.GENERATE_STEPS_INCOMPLETE, A.GEN_AI_INPUT_MESSAGES, A.GEN_AI_OUTPUT_MESSAGES}
+        | {A.GENERATE_STEP_SPANS_REASON}
+    )
+    assert set(request.attributes) == expected, set(request.attributes) ^ expected
+    assert len(request.attributes) == len(
+        REQUEST_CONTRACT | SAMPLING_CONTRACT | CHOICES_CONTRACT | STREAM_CONTRACT | STOP_CONTRACT
+        | {A.GENERATE_STEPS_INCOMPLETE, A.GEN_AI_INPUT_MESSAGES, A.GEN_AI_OUTPUT_MESSAGES}
+        | {A.GENERATE_STEP_SPANS_REASON}
+    ) <= MAX_REQUEST_ATTRIBUTES
+    assert set(request.attributes) <= set(contract_table("## Request span"))
     assert request.attributes[A.GENERATE_STEPS_INCOMPLETE] is True
 
 

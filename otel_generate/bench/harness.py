@@ -798,7 +798,8 @@ def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str,
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from otel_generate import DEFAULT_MAX_STEP_SPANS, ENV_MAX_STEP_SPANS, GenerateInstrumentor, _env_int
+    from otel_generate import GenerateInstrumentor
+    from otel_generate.options import DEFAULT_MAX_STEP_SPANS, ENV_MAX_STEP_SPANS, env_int
 
     _check_uninstrumented()
     config = runner.config
@@ -813,7 +814,7 @@ def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str,
         options["max_step_spans"] = config.max_step_spans
         max_step_spans = config.max_step_spans
     else:
-        max_step_spans = _env_int(ENV_MAX_STEP_SPANS, DEFAULT_MAX_STEP_SPANS)  # what instrument() uses
+        max_step_spans = env_int(ENV_MAX_STEP_SPANS, DEFAULT_MAX_STEP_SPANS)  # what instrument() uses
     flushes_complete = True
 
     def plain() -> Tuple[Any, float]:

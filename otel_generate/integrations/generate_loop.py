@@ -39,7 +39,7 @@ from opentelemetry import trace
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from otel_generate import attributes as A
-from otel_generate import clock, emit
+from otel_generate import clock, emit, figures
 from otel_generate._faults import log_fault_once
 from otel_generate.request import InnerCall, Request
 from otel_generate.tokens import (
@@ -182,6 +182,7 @@ class Call:
         self.streamer: Optional[_TimedStreamer] = None
         self.whisper: Optional[Dict[str, Any]] = None  # the current Whisper window (see .whisper)
         self._submodules: Optional[set] = None
+        self.memory_device: Optional[str] = None
 
         self.span = emit.start_request_span(telemetry, self.name)
         try:
@@ -202,7 +203,9 @@ class Call:
             self.request = Request(
                 model=self.name, start_ns=0, start_wall_ns=0, timed=self.timed, synchronized=synchronized, device=device
             )
+            self.memory_device = figures.cuda_device(device) if self.timed and telemetry.options.measure_memory else None
             self._synchronize()
+            self._memory(figures.reset_peak_memory)
             self.request.start_ns = clock.monotonic_ns()
             self.request.start_wall_ns = clock.wall_ns()
         except BaseException:
@@ -261,6 +264,18 @@ class Call:
             self.request.incomplete = True
         log_fault_once(kind, exc)
 
+    def _memory(self, read: Callable[[str], Any]) -> Any:
+        """A CUDA memory statistic of the request's device (``None`` off CUDA); a failing one is
+        logged once and not read again in this request."""
+        if self.memory_device is None:
+            return None
+        try:
+            return read(self.memory_device)
+        except Exception as fault:
+            self.memory_device = None
+            log_fault_once("memory statistics", fault)
+            return None
+
     def _synchronize(self) -> None:
         """Wait for the device; a failing synchronize is logged once, then no longer used."""
         if self.sync is None:
@@ -284,6 +299,7 @@ class Call:
         try:
             self._synchronize()
             request.end_ns = clock.monotonic_ns()
+            request.memory_peak_bytes = self._memory(figures.peak_memory)
             self._assemble(result, exc)
         except Exception as fault:
             request.incomplete = True
@@ -298,7 +314,10 @@ class Call:
                     request.end_ns = clock.monotonic_ns()
                 except Exception:  # the clock itself is gone (already logged): let the SDK stamp the end
                     request.incomplete = True
-        record = emit.finish(self.telemetry, self.span, request, self.profilers)
+        if self.track:  # track_token_latency needs the record now
+            record, deferred = emit.finish(self.telemetry, self.span, request, self.profilers), False
+        else:
+            record, deferred = self.telemetry.emit(self.span, request, self.profilers)
         if record is not None and self.track and result is not None:
             try:
                 if _is_tensor(result):
@@ -316,7 +335,8 @@ class Call:
         for loop in self.loops:
             loop.release()
         self.loops = []
-        request.error = None
+        if not deferred:
+            request.error = None  # (a deferred emission drops it once done)
         return result
 
     def _assemble(self, result: Any, exc: Optional[BaseException]) -> None:
@@ -347,6 +367,11 @@ class Call:
         if first.assisted_generator is not None:
             params[A.GENERATE_ASSISTED_GENERATOR] = first.assisted_generator
         request.input_tokens = first.input_tokens
+        request.kv_cache_bytes = loops[-1].kv_cache_bytes
+        assisted = [loop for loop in loops if loop.candidates_proposed is not None]
+        if assisted and all(loop.candidates_accepted is not None for loop in assisted):
+            request.candidates_proposed = sum(loop.candidates_proposed for loop in assisted)
+            request.candidates_accepted = sum(loop.candidates_accepted for loop in assisted)
 
         # steps: concatenated in call order; indices and token positions continue across loops
         ends: List[int] = []
@@ -476,6 +501,10 @@ class Loop:
         self.whisper_decisions: Dict[int, tuple] = {}
         self.step_logprobs: Any = None  # opt-in content: set by generate_content's logits-processor hook
         self.result: Any = None
+        self.cache: Any = None  # the key/value cache object, until the loop returns
+        self.kv_cache_bytes: Optional[int] = None
+        self.candidates_proposed: Optional[int] = None  # assisted decoding (figures.count_candidates)
+        self.candidates_accepted: Optional[int] = None
         # what account() fills
         self.step_ends_ns: List[int] = []
         self.step_tokens: List[int] = []
@@ -503,7 +532,7 @@ class Loop:
         return self.generation_config is not None or self.recorder is not None
 
     def release(self) -> None:
-        self.recorder = self.criteria = self.result = None
+        self.recorder = self.criteria = self.result = self.cache = None
 
     # --- hooks called from inside generate() ------------------------------------------------
     def on_generated_length(
@@ -553,6 +582,12 @@ class Loop:
         request, whose (synchronized) end time it then takes."""
         self.closed = True
         self.result = result
+        if self.cache is not None:
+            try:
+                self.kv_cache_bytes = figures.cache_bytes(self.cache)
+            except Exception as fault:
+                log_fault_once("key/value cache size", fault)
+            self.cache = None
         if read_clock:
             self.call._synchronize()
             self.end_ns = clock.monotonic_ns()
@@ -888,9 +923,36 @@ def make_get_candidate_generator(original: Callable, telemetry: emit.Telemetry) 
         frame = _ACTIVE.get()
         if telemetry.active and isinstance(frame, Loop) and frame.model is self:
             frame.assisted_generator = type(generator).__name__
+            if frame.call.timed:
+                try:
+                    figures.count_candidates(generator, frame)
+                except Exception as fault:
+                    log_fault_once("assisted candidates count", fault)
         return generator
 
     return compiler_disabled(_get_candidate_generator)
+
+
+def make_prepare_cache_for_generation(original: Callable, telemetry: emit.Telemetry) -> Callable:
+    """``GenerationMixin._prepare_cache_for_generation``: the loop's key/value cache object, to size it at the end."""
+    signature = _method_signature(original)
+
+    @functools.wraps(original)
+    def _prepare_cache_for_generation(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        loop = loop_for(self) if telemetry.active else None
+        if loop is not None and loop.call.timed:
+            try:
+                model_kwargs = signature.bind(*args, **kwargs).arguments.get("model_kwargs") or {}
+                for name in ("cache", "past_key_values", "cache_params"):
+                    if model_kwargs.get(name) is not None:
+                        loop.cache = model_kwargs[name]
+                        break
+            except Exception as fault:
+                log_fault_once("key/value cache capture", fault)
+        return result
+
+    return compiler_disabled(_prepare_cache_for_generation)
 
 
 #: method of ``GenerationMixin`` -> hook factory ``(original, telemetry) -> replacement``.
@@ -899,6 +961,7 @@ HOOKS = {
     "_prepare_generated_length": make_prepare_generated_length,
     "_get_stopping_criteria": make_get_stopping_criteria,
     "_get_candidate_generator": make_get_candidate_generator,
+    "_prepare_cache_for_generation": make_prepare_cache_for_generation,
 }
 #: The hooks without which there are no step spans.
 REQUIRED = ("generate", "_prepare_generated_length", "_get_stopping_criteria")
