@@ -293,10 +293,17 @@ def test_kv_cache_size_is_the_bytes_of_the_returned_cache(instrumented, span_exp
     out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=None,
                         return_dict_in_generate=True)
     cache = out.past_key_values
-    tensors = [t for layer in getattr(cache, "layers", ()) for t in (layer.keys, layer.values)] or [
-        t for pair in zip(cache.key_cache, cache.value_cache) for t in pair
-    ]
-    expected = sum(t.numel() * t.element_size() for t in tensors)
+
+    def tensors_of(item):  # transformers 5: DynamicCache layers; 4.46: a DynamicCache or the legacy tuples
+        if torch.is_tensor(item):
+            return [item]
+        if isinstance(item, (tuple, list)):
+            return [t for part in item for t in tensors_of(part)]
+        if hasattr(item, "layers"):
+            return [t for layer in item.layers for t in (layer.keys, layer.values)]
+        return [t for pair in zip(item.key_cache, item.value_cache) for t in pair]
+
+    expected = sum(t.numel() * t.element_size() for t in tensors_of(cache))
     assert expected > 0 and cache_bytes(cache) == expected
     assert only_request(span_exporter).attributes[A.GENERATE_KV_CACHE_SIZE] == expected
 

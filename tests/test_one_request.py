@@ -177,6 +177,10 @@ def test_custom_generate_loop_that_cannot_be_seen_says_so(instrumented, span_exp
     assert step_spans(span_exporter) == []
 
 
+@pytest.mark.skipif(
+    "custom_generate" not in __import__("inspect").signature(__import__("transformers").GenerationMixin.generate).parameters,
+    reason="custom_generate arrived in transformers 4.5x",
+)
 @pytest.mark.parametrize("call_criteria", [True, False])
 def test_custom_generate_callable(instrumented, span_exporter, gpt2, call_criteria):
     ids = torch.tensor([[5, 6, 7, 8]])
@@ -277,8 +281,10 @@ def test_whisper_long_form_is_one_request(instrumented, span_exporter, metric_re
     assert request.name == "text_completion WhisperForConditionalGeneration"
     assert request.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] == sum(per_call)
     inner = inner_spans(span_exporter, request)
-    assert [s.attributes[A.GENERATE_CALL_OUTPUT_TOKENS] for s in inner] == per_call
-    if len(per_call) > 1:
+    if len(per_call) == 1:  # one window (a 30 s input on transformers 4.x): no grouping span
+        assert inner == []
+    else:
+        assert [s.attributes[A.GENERATE_CALL_OUTPUT_TOKENS] for s in inner] == per_call
         assert [s.attributes[A.GENERATE_WINDOW_INDEX] for s in inner] == list(range(len(per_call)))
         assert all(s.attributes[A.GENERATE_ATTEMPT_KEPT] for s in inner)
     # step and token indices count over the whole call, in time order
@@ -362,6 +368,8 @@ def test_model_classes_overriding_generate_are_enumerated_and_hooked(instrumente
     patched = 0
     for module_name, name in found:
         if not any(key in module_name for key in ("whisper", "blip_2", "musicgen.", "bark", "seamless_m4t.")):
+            continue
+        if ".modeling_flax_" in module_name or ".modeling_tf_" in module_name:  # other frameworks (4.x)
             continue
         cls = getattr(importlib.import_module(module_name), name)
         if issubclass(cls, GenerationMixin):

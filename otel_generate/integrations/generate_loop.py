@@ -582,6 +582,8 @@ class Loop:
         request, whose (synchronized) end time it then takes."""
         self.closed = True
         self.result = result
+        if self.cache is None and self.call.timed:  # legacy tuples (transformers 4.x): the output's, if returned
+            self.cache = getattr(result, "past_key_values", None)
         if self.cache is not None:
             try:
                 self.kv_cache_bytes = figures.cache_bytes(self.cache)
