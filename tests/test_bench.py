@@ -774,6 +774,23 @@ def test_max_step_spans_is_passed_to_the_instrumented_runs(capsys):
     assert cmp["spans_exported"] == cmp["spans_expected"] == 1
 
 
+def test_step_spans_and_background_emission_are_passed_to_the_instrumented_runs(capsys):
+    assert run_cli("--new-tokens", "4", "--runs", "2", "--warmup", "0", "--compare", "--step-spans", "none",
+                   "--output", "-") == 0
+    cmp = json.loads(capsys.readouterr().out)["compare"]
+    assert cmp["step_spans"] == "none" and "step_spans='none'" in cmp["instrumented"]
+    assert cmp["spans_exported"] == cmp["spans_expected"] == 2  # request spans only
+    assert run_cli("--new-tokens", "4", "--runs", "2", "--warmup", "0", "--compare", "--background-emission",
+                   "--output", "-") == 0
+    cmp = json.loads(capsys.readouterr().out)["compare"]
+    assert "background_emission=True" in cmp["instrumented"]
+    # the flush after each call waited for the worker: every span arrived, and was charged to its call
+    assert cmp["spans_exported"] == cmp["spans_expected"] == 2 * (1 + 4)
+    assert cmp["spans_exported_after_each_flush"] == [5, 10]
+    assert run_cli("--step-spans", "none") == 2  # without --compare
+    assert "--step-spans applies to the instrumented runs of --compare" in capsys.readouterr().err
+
+
 def test_compare_refuses_when_generate_is_already_instrumented(instrumented, tmp_path, capsys):
     out = tmp_path / "out.json"
     assert run_cli("--compare", "--output", str(out)) == 2

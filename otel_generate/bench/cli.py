@@ -80,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-step-spans", type=int, default=None, metavar="N",
                         help="--compare: instrument(max_step_spans=N), at most N step spans per request "
                              "(0: none); default: the instrumentation's own (OTEL_GENERATE_MAX_STEP_SPANS or 1024)")
+    parser.add_argument("--step-spans", choices=("all", "none", "slow"), default=None,
+                        help="--compare: instrument(step_spans=...), which requests get step spans; default: the "
+                             "instrumentation's own (OTEL_GENERATE_STEP_SPANS or all)")
+    parser.add_argument("--background-emission", action="store_true",
+                        help="--compare: instrument(background_emission=True), spans built on a worker thread; the "
+                             "flush after each instrumented call (outside its timer) waits for them and is charged to it")
     # A continuous-batching workload (--continuous-batching --requests N) would be another harness runner.
 
 
@@ -102,6 +108,8 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> Benc
         compare=args.compare,
         exporter=args.exporter,
         max_step_spans=args.max_step_spans,
+        step_spans=args.step_spans,
+        background_emission=args.background_emission,
         argv=list(argv),
     )
 

@@ -97,6 +97,10 @@ MEASURED_RUNS = (
 )
 
 
+#: ``--step-spans``: the instrumentation's step-span policies (otel_generate.options).
+STEP_SPAN_POLICIES = ("all", "none", "slow")
+
+
 class BenchUsageError(ValueError):
     """Invalid bench input (a count, a length, a device, a path). The CLI exits with status 2."""
 
@@ -127,6 +131,8 @@ class BenchConfig:
     compare: bool = False
     exporter: str = "discard"  # --compare's span exporter, one of EXPORTERS
     max_step_spans: Optional[int] = None  # --compare: instrument(max_step_spans=N); None: the instrumentation's default
+    step_spans: Optional[str] = None  # --compare: instrument(step_spans=...); None: the instrumentation's default
+    background_emission: bool = False  # --compare: instrument(background_emission=True)
     argv: List[str] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -172,6 +178,12 @@ class BenchConfig:
                 raise BenchUsageError("--exporter applies to the instrumented runs of --compare; add --compare")
             if self.max_step_spans is not None:
                 raise BenchUsageError("--max-step-spans applies to the instrumented runs of --compare; add --compare")
+            if self.step_spans is not None:
+                raise BenchUsageError("--step-spans applies to the instrumented runs of --compare; add --compare")
+            if self.background_emission:
+                raise BenchUsageError("--background-emission applies to the instrumented runs of --compare; add --compare")
+        if self.step_spans is not None and self.step_spans not in STEP_SPAN_POLICIES:
+            raise BenchUsageError(f"--step-spans must be one of {', '.join(STEP_SPAN_POLICIES)}, got {self.step_spans!r}")
         for option, path in (("--output", self.output), ("--plot", self.plot)):
             if path is None or path == "-" and option == "--output":
                 continue
@@ -815,6 +827,11 @@ def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str,
         max_step_spans = config.max_step_spans
     else:
         max_step_spans = env_int(ENV_MAX_STEP_SPANS, DEFAULT_MAX_STEP_SPANS)  # what instrument() uses
+    if config.step_spans is not None:
+        options["step_spans"] = config.step_spans
+    if config.background_emission:
+        options["background_emission"] = True
+    policy = config.step_spans or os.environ.get("OTEL_GENERATE_STEP_SPANS", "all").strip().lower() or "all"
     flushes_complete = True
 
     def plain() -> Tuple[Any, float]:
@@ -889,6 +906,8 @@ def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str,
            "SpanExporter that encodes OTLP protobuf and discards the bytes, meter_provider=SDK MeterProvider + "
            "PeriodicExportingMetricReader whose exporter encodes OTLP protobuf and discards the bytes")
         + (f", max_step_spans={config.max_step_spans}" if config.max_step_spans is not None else "")
+        + (f", step_spans={config.step_spans!r}" if config.step_spans is not None else "")
+        + (", background_emission=True" if config.background_emission else "")
         + ")"
     )
     result: Dict[str, Any] = {
@@ -927,8 +946,13 @@ def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str,
             "spans_exported": spans_exported,
             "spans_exported_after_each_flush": exported_after,
             "max_step_spans": max_step_spans,
-            # per run: the request span + one span per step (at most max_step_spans)
-            "spans_expected": sum(1 + min(n, max_step_spans) for n in steps),
+            # per run: the request span + one span per step (at most max_step_spans), unless the
+            # step-span policy emits none (none) or only some (slow: not predictable, None)
+            "step_spans": policy,
+            "spans_expected": (
+                sum(1 + min(n, max_step_spans) for n in steps) if policy == "all"
+                else len(steps) if policy == "none" else None
+            ),
             "exported_bytes": exported_bytes,
             "exported_metric_bytes": metric_bytes,
             "flushes_complete": flushes_complete,
