@@ -29,6 +29,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from otel_generate import attributes as A
 from otel_generate import clock
 from otel_generate._faults import error_type, log_fault_once
+from otel_generate.fast_spans import fast_eligible
 from otel_generate.record import GenerationRecord
 from otel_generate.request import Request, seconds
 from otel_generate.version import __version__
@@ -83,6 +84,10 @@ class Telemetry:
         self.options = options if options is not None else Options(synchronize=synchronize, max_step_spans=max_step_spans)
         self.emitter: Any = None
         self.slow = None
+        from otel_generate.fast_spans import FastStepSpans
+
+        #: builds step spans directly when that is exactly what the public API would give, else ``None``
+        self.fast = FastStepSpans.for_tracer(tracer)
         if self.options.step_spans == A.POLICY_SLOW:
             self.slow = SlowRequests(
                 self.options.slow_time_to_first_token, self.options.slow_time_per_output_token, self.options.slow_fraction
@@ -383,6 +388,7 @@ def _emit_steps(
     wall_offset = request.start_wall_ns - request.start_ns
     parent = trace.set_span_in_context(span)
     parents = [parent] * emitted
+    parent_spans = [span.get_span_context()] * emitted
     for call in request.calls:
         group = tracer.start_span(
             A.SPAN_INNER_GENERATE,
@@ -395,6 +401,7 @@ def _emit_steps(
         context = trace.set_span_in_context(group)
         for index in range(call.first_step, min(call.first_step + call.steps, emitted)):
             parents[index] = context
+            parent_spans[index] = group.get_span_context()
     if not emitted:
         return
     start_span = tracer.start_span
@@ -408,9 +415,12 @@ def _emit_steps(
     extra = bool(step_requests is not None or token_ids or logprobs or outliers)
     INDEX, TOKEN, TOKENS, LATENCY = A.GENERATE_STEP_INDEX, A.GENERATE_TOKEN_INDEX, A.GENERATE_STEP_TOKENS, A.GENERATE_STEP_LATENCY
     PREFILL, DECODE = A.STEP_SPAN_PREFILL, A.STEP_SPAN_DECODE
+    fast = telemetry.fast
+    fast_emit = fast.emit if fast is not None else None
     token_index = 0
     for index in range(emitted):
         start, end = bounds[index]
+        name = PREFILL if index in prefill else DECODE
         attributes = {INDEX: index, TOKEN: token_index, TOKENS: tokens[index], LATENCY: latencies_s[index]}
         if extra:
             if step_requests is not None:
@@ -421,14 +431,15 @@ def _emit_steps(
                 attributes[A.GENERATE_STEP_TOKEN_IDS] = token_ids[index]
             if index < len(logprobs) and logprobs[index]:
                 attributes[A.GENERATE_STEP_LOGPROBS] = logprobs[index]
-        start_span(
-            PREFILL if index in prefill else DECODE,
-            context=parents[index],
-            kind=internal,
-            start_time=start + wall_offset,
-            attributes=attributes,
-        ).end(end_time=end + wall_offset)
         token_index += tokens[index]
+        if fast_emit is not None and (not extra or fast_eligible(attributes)) and fast_emit(
+            parents[index], parent_spans[index], name, start + wall_offset, end + wall_offset, attributes
+        ):
+            pass
+        else:
+            start_span(
+                name, context=parents[index], kind=internal, start_time=start + wall_offset, attributes=attributes
+            ).end(end_time=end + wall_offset)
         if yield_every and index % yield_every == yield_every - 1:
             time.sleep(0)  # a background emitter lets the producer run
 
