@@ -83,7 +83,7 @@ from otel_generate import content as _content
 from otel_generate import options as _options
 from otel_generate._patch import Patches
 from otel_generate.emit import Telemetry, create_instruments, get_event_logger, get_tracer
-from otel_generate.integrations import generate_loop, overrides, whisper
+from otel_generate.integrations import continuous_batching, generate_loop, overrides, serve, whisper
 from otel_generate.options import DEFAULT_MAX_STEP_SPANS, ENV_MAX_STEP_SPANS, ENV_SYNCHRONIZE  # noqa: F401  (public names)
 from otel_generate.package import _instruments
 from otel_generate.record import GenerationRecord
@@ -164,6 +164,10 @@ class GenerateInstrumentor(BaseInstrumentor):
             patches.replace(GenerationMixin, name, factory, telemetry)
         overrides.install(patches, telemetry, GenerationMixin)
         whisper.install(patches, telemetry)
+        # Serving paths, hooked when their modules are imported: continuous batching (its requests'
+        # spans are built on a background emitter, created then) and `transformers serve`.
+        continuous_batching.install(patches, telemetry)
+        serve.install(patches, telemetry)
         if telemetry.content is not None:
             from otel_generate.integrations import generate_content, pipelines
 

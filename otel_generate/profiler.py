@@ -82,6 +82,10 @@ class TokenLatencyProfiler:
         # not ContextVar.reset: profilers may be closed in any order
         _PROFILERS.set(tuple(p for p in _PROFILERS.get() if p is not self))
         self._token = None
+        # requests accounted on the background emitter (continuous batching) reach the records first
+        emitter = getattr(getattr(GenerateInstrumentor(), "_telemetry", None), "emitter", None)
+        if emitter is not None:
+            emitter.drain()
         if self._auto:
             with _lock:
                 _auto_users -= 1

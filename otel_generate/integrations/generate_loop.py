@@ -378,6 +378,11 @@ class Call:
         starts: List[int] = []
         tokens: List[int] = []
         for loop in loops:
+            if loop.step_starts_ns is not None:  # explicit starts (continuous batching's batch steps)
+                starts.extend(loop.step_starts_ns)
+                ends.extend(loop.step_ends_ns)
+                tokens.extend(loop.step_tokens)
+                continue
             previous = loop.start_ns
             for end, count in zip(loop.step_ends_ns, loop.step_tokens):
                 starts.append(previous)
@@ -391,6 +396,9 @@ class Call:
             request.output_tokens_per_sequence = first.per_sequence
             request.output_tokens = first.output_tokens
             request.finish_reasons = first.finish_reasons
+            request.prefill_steps = first.prefill_steps
+            request.step_requests = first.step_requests
+            request.queue_ns = first.queue_ns
             if self.timed and exc is None and first.incomplete:
                 request.incomplete = True
             return loops
@@ -505,9 +513,16 @@ class Loop:
         self.kv_cache_bytes: Optional[int] = None
         self.candidates_proposed: Optional[int] = None  # assisted decoding (figures.count_candidates)
         self.candidates_accepted: Optional[int] = None
+        #: the continuous-batching requests this loop handed its rows to (``cache_implementation="paged"``),
+        #: a :class:`~otel_generate.integrations.continuous_batching.PagedGroup`, or ``None``
+        self.paged: Any = None
         # what account() fills
         self.step_ends_ns: List[int] = []
         self.step_tokens: List[int] = []
+        self.step_starts_ns: Optional[List[int]] = None  # explicit step starts (batch steps), else contiguous
+        self.step_requests: Optional[List[int]] = None
+        self.prefill_steps = 1
+        self.queue_ns: Optional[int] = None
         self.parameters: Dict[str, Any] = {}
         self.input_tokens: Optional[int] = None
         self.output_tokens: Optional[int] = None
@@ -529,10 +544,10 @@ class Loop:
     def observed(self) -> bool:
         """Whether this loop reached the decoding machinery (a dispatching call, e.g. the outer
         ``generate(custom_generate="dir")``, never does)."""
-        return self.generation_config is not None or self.recorder is not None
+        return self.generation_config is not None or self.recorder is not None or self.paged is not None
 
     def release(self) -> None:
-        self.recorder = self.criteria = self.result = self.cache = None
+        self.recorder = self.criteria = self.result = self.cache = self.paged = None
 
     # --- hooks called from inside generate() ------------------------------------------------
     def on_generated_length(
@@ -598,6 +613,9 @@ class Loop:
     def account(self, call_result: Any, exc: Optional[BaseException]) -> None:
         """Steps, tokens and parameters of this loop, from the hooks' data and its result tensor
         (its own result; for an implicit loop, ``call_result`` when it is the loop's output)."""
+        if self.paged is not None:  # the rows ran as continuous-batching requests
+            self.paged.account(self)
+            return
         call = self.call
         params = self.parameters
         config = self.generation_config

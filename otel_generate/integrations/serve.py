@@ -1,0 +1,82 @@
+"""``transformers serve``: each HTTP request's ``generate()`` in the trace of that HTTP request.
+
+Without ``--continuous-batching``, ``transformers serve`` runs every ``model.generate()`` on one
+long-lived inference thread (``transformers.cli.serving.utils.InferenceThread``): the request
+handler, on the server's event loop, hands it a function with ``submit``/``async_submit`` and
+awaits the result. The inference thread's OpenTelemetry context is not the handler's: it is
+empty (in-process, the request span is a root of its own trace), or, under
+``opentelemetry-instrument`` with the threading instrumentation, the context of the HTTP request
+that happened to start the thread (every later request's span lands in the first one's trace).
+
+Hook (when that module is imported; nothing is imported here): ``InferenceThread.submit`` and
+``async_submit`` capture the OpenTelemetry context current in the handler (the HTTP server span
+of that request) and run the function under it on the inference thread. Only the OpenTelemetry
+context travels, not the handler's other context variables.
+
+With ``--continuous-batching`` the handler calls ``add_request`` itself, in its own context:
+:mod:`.continuous_batching` takes the parent there, and nothing serve-specific is needed.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import wrapt
+from opentelemetry import context as otel_context
+
+from otel_generate import emit
+from otel_generate._faults import log_fault_once
+from otel_generate._patch import Patches
+
+MODULE = "transformers.cli.serving.utils"
+CLASS = "InferenceThread"
+METHODS = ("submit", "async_submit")
+
+
+def install(patches: Patches, telemetry: emit.Telemetry) -> None:
+    """Hook ``InferenceThread`` now if its module is imported, else when it is."""
+
+    def on_import(module: Any) -> None:
+        if not telemetry.active:
+            return
+        cls = getattr(module, CLASS, None)
+        if cls is None:
+            return
+        try:
+            for name in METHODS:
+                if callable(vars(cls).get(name)):
+                    patches.replace(cls, name, make_submit, telemetry)
+        except Exception as fault:
+            log_fault_once("serve hook install", fault)
+
+    wrapt.register_post_import_hook(on_import, MODULE)
+
+
+def in_context(function: Callable, context: Any) -> Callable:
+    """``function`` run under the OpenTelemetry ``context`` (attached, then detached), whatever thread calls it."""
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        token = otel_context.attach(context)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            otel_context.detach(token)
+
+    return run
+
+
+def make_submit(original: Callable, telemetry: emit.Telemetry) -> Callable:
+    """``InferenceThread.submit``/``async_submit(fn, *args, **kwargs)``: ``fn`` runs in the submitter's context."""
+
+    @functools.wraps(original)
+    def submit(self, *args, **kwargs):
+        if telemetry.active and args and callable(args[0]):
+            try:
+                args = (in_context(args[0], otel_context.get_current()),) + args[1:]
+            except Exception as fault:
+                log_fault_once("serve context capture", fault)
+        return original(self, *args, **kwargs)
+
+    return submit

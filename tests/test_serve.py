@@ -1,0 +1,189 @@
+"""``transformers serve``, with and without ``--continuous-batching``: each HTTP request's
+``text_completion`` span is a child of that request's HTTP server span (issue 12).
+
+The server runs on 127.0.0.1 (an ephemeral port) with the local model and tokenizer that
+``examples/serve_demo.py`` writes (nothing is downloaded):
+
+* in this process (``Serve(non_blocking=True)``, transformers' own test hook) with FastAPI
+  instrumented and ``GenerateInstrumentor().instrument()``;
+* as ``opentelemetry-instrument transformers serve ...`` (FastAPI, threading and this package all
+  instrumented by the agent; the console exporter), where before this package carried the
+  submitter's context every request after the first landed in the first one's trace.
+
+Each run sends two requests at the same time (the subprocess one first sends one alone, so that the
+inference thread is started by another request) with ``traceparent`` headers of different traces.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from opentelemetry.trace import SpanKind
+
+from otel_generate import attributes as A
+
+from conftest import console_spans, request_spans, step_spans
+
+pytest.importorskip("transformers.cli.serving.utils", reason="this transformers has no OpenAI-compatible serve")
+for _module in ("fastapi", "uvicorn", "openai", "opentelemetry.instrumentation.fastapi", "accelerate"):
+    pytest.importorskip(_module, reason=f"transformers serve tests need {_module} (the [test] extra)")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("serve_demo", ROOT / "examples" / "serve_demo.py")
+serve_demo = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(serve_demo)
+
+#: "Hello" stops early on EOS with this model; "abc" runs to max_tokens: two different lengths.
+PROMPTS = ("Hello", "abc")
+MAX_TOKENS = 6
+#: Keep transformers serve on the CPU with a cache for the tiny model (the default one is sized from memory).
+CB_OPTIONS = dict(continuous_batching=True, cb_num_blocks=16, cb_max_batch_tokens=64)
+CB_FLAGS = ["--continuous-batching", "--cb-num-blocks", "16", "--cb-max-batch-tokens", "64"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return serve_demo.build_model_dir(str(tmp_path_factory.mktemp("tiny-serve")))
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url, deadline_s, process=None):
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"the server exited with {process.returncode}: {process.stderr.read()}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, OSError):
+            time.sleep(0.1)
+    raise AssertionError(f"{url}/health did not answer within {deadline_s} s")
+
+
+def check_request_trees(results, spans):
+    """Each result's trace: client's span -> POST server span -> text_completion -> steps, counts as answered.
+
+    ``spans``: dicts with ``name``, ``trace_id``, ``span_id``, ``parent_id`` (ints) and ``attributes``.
+    """
+    assert len({r["trace_id"] for r in results}) == len(results)
+    for result in results:
+        trace_id, client_span = int(result["trace_id"], 16), int(result["parent_span_id"], 16)
+        mine = [s for s in spans if s["trace_id"] == trace_id]
+        (server,) = [s for s in mine if s["name"] == "POST /v1/completions"]
+        (request,) = [s for s in mine if s["name"].startswith(A.OPERATION_TEXT_COMPLETION + " ")]
+        assert server["parent_id"] == client_span
+        assert request["parent_id"] == server["span_id"]
+        steps = [s for s in mine if s["parent_id"] == request["span_id"]]
+        usage = result["response"]["usage"]
+        attrs = request["attributes"]
+        assert attrs[A.GEN_AI_USAGE_INPUT_TOKENS] == usage["prompt_tokens"] == len(result["prompt"])
+        assert attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == usage["completion_tokens"]
+        assert len(steps) == attrs[A.GENERATE_STEPS] == usage["completion_tokens"]  # greedy: one token per step
+        assert sorted(s["name"] for s in steps) == ["decode"] * (len(steps) - 1) + ["prefill"]
+        finish = result["response"]["choices"][0]["finish_reason"]
+        assert list(attrs[A.GEN_AI_RESPONSE_FINISH_REASONS]) == [finish]
+    # every text_completion span is in one of the clients' traces: none landed in another request's
+    traces = {int(r["trace_id"], 16) for r in results}
+    assert {s["trace_id"] for s in spans if s["name"].startswith(A.OPERATION_TEXT_COMPLETION + " ")} == traces
+
+
+def _sdk_span(span):
+    return {
+        "name": span.name, "trace_id": span.context.trace_id, "span_id": span.context.span_id,
+        "parent_id": span.parent.span_id if span.parent is not None else None, "attributes": dict(span.attributes),
+        "kind": span.kind,
+    }
+
+
+@pytest.mark.parametrize("mode", ["plain", "continuous_batching"])
+def test_in_process_serve_puts_each_request_under_its_http_span(mode, model_dir, instrumented, tracer_provider,
+                                                                 span_exporter, monkeypatch):
+    import fastapi
+    from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+    from transformers.cli.serve import Serve
+    from transformers.cli.serving import server
+
+    # FastAPIInstrumentor replaces fastapi.FastAPI; transformers' server module imported the name
+    # earlier in this test process, so it is pointed at the instrumented class too
+    FastAPIInstrumentor().instrument(tracer_provider=tracer_provider)
+    monkeypatch.setattr(server, "FastAPI", fastapi.FastAPI)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve = None
+    try:
+        options = dict(force_model=model_dir, host="127.0.0.1", port=port, non_blocking=True, device="cpu",
+                       log_level="error")
+        serve = Serve(**options, **(CB_OPTIONS if mode == "continuous_batching" else {}))
+        wait_healthy(url, 120)
+        span_exporter.clear()
+        results = serve_demo.send_concurrent(url, PROMPTS, MAX_TOKENS, random.Random(12))
+    finally:
+        if serve is not None:
+            serve.kill_server()
+        FastAPIInstrumentor().uninstrument()
+    tracer_provider.force_flush()
+
+    spans = [_sdk_span(s) for s in span_exporter.get_finished_spans()]
+    check_request_trees(results, spans)
+    assert all(s["kind"] == SpanKind.SERVER for s in spans if s["name"] == "POST /v1/completions")
+    requests = {s.context.trace_id: s for s in request_spans(span_exporter)}
+    for result in results:
+        request = requests[int(result["trace_id"], 16)]
+        assert len(step_spans(span_exporter, request)) == result["response"]["usage"]["completion_tokens"]
+        if mode == "continuous_batching":  # the serve request id is the continuous-batching request's id
+            assert request.attributes[A.GEN_AI_RESPONSE_ID] == result["response"]["id"]
+            assert request.attributes[A.GENERATE_TIME_IN_QUEUE] >= 0
+
+
+@pytest.mark.parametrize("mode", ["plain", "continuous_batching"])
+def test_opentelemetry_instrument_serve_puts_each_request_under_its_http_span(mode, model_dir):
+    bin_dir = pathlib.Path(sys.executable).parent
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [str(bin_dir / "opentelemetry-instrument"), "--traces_exporter", "console", "--metrics_exporter", "none",
+               "--logs_exporter", "none", str(bin_dir / "transformers"), "serve", model_dir, "--host", "127.0.0.1",
+               "--port", str(port), "--device", "cpu", *(CB_FLAGS if mode == "continuous_batching" else [])]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(OTEL_SERVICE_NAME="serve-test", OTEL_BSP_SCHEDULE_DELAY="100", PYTHONUNBUFFERED="1",
+               PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               cwd=str(ROOT))
+    try:
+        wait_healthy(url, 240, process)
+        rng = random.Random(21)
+        # the first request starts the inference thread (plain mode) / the scheduler (continuous batching)
+        results = serve_demo.send_concurrent(url, PROMPTS[:1], MAX_TOKENS, rng)
+        results += serve_demo.send_concurrent(url, PROMPTS, MAX_TOKENS, rng)
+        time.sleep(1.0)  # the batch span processor exports every 100 ms
+    finally:
+        # with --continuous-batching the server does not exit on SIGINT (its scheduler thread is not a daemon)
+        process.send_signal(signal.SIGINT)
+        try:
+            out, err = process.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+    spans = [
+        {"name": s["name"], "trace_id": int(s["context"]["trace_id"], 16), "span_id": int(s["context"]["span_id"], 16),
+         "parent_id": int(s["parent_id"], 16) if s["parent_id"] else None, "attributes": s["attributes"]}
+        for s in console_spans(out)
+    ]
+    assert spans, err
+    check_request_trees(results, spans)
