@@ -74,11 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the work each instrumented call defers (span export, metric collection) is "
                              "finished outside the timers and reported both apart and charged to that call")
     parser.add_argument("--exporter", choices=EXPORTERS, default="discard",
-                        help="--compare's exporter: discard (count spans and drop them, default) or otlp-encode "
+                        help="--compare's (and --continuous-batching's) exporter: discard (count spans and drop them, default) or otlp-encode "
                              "(encode every span batch and metric collection as OTLP protobuf, as a real OTLP "
                              "exporter does, count the bytes and drop them)")
     parser.add_argument("--max-step-spans", type=int, default=None, metavar="N",
-                        help="--compare: instrument(max_step_spans=N), at most N step spans per request "
+                        help="--compare, --continuous-batching: instrument(max_step_spans=N), at most N step spans per request "
                              "(0: none); default: the instrumentation's own (OTEL_GENERATE_MAX_STEP_SPANS or 1024)")
     parser.add_argument("--step-spans", choices=("all", "none", "slow"), default=None,
                         help="--compare: instrument(step_spans=...), which requests get step spans; default: the "
@@ -86,7 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--background-emission", action="store_true",
                         help="--compare: instrument(background_emission=True), spans built on a worker thread; the "
                              "flush after each instrumented call (outside its timer) waits for them and is charged to it")
-    # A continuous-batching workload (--continuous-batching --requests N) would be another harness runner.
+    parser.add_argument("--continuous-batching", action="store_true",
+                        help="time transformers' continuous batching instead: waves of --requests requests on one "
+                             "persistent manager, plain and instrumented interleaved A B A B (--runs pairs); "
+                             "throughput and the added cost per batch step (transformers 5.17 or newer)")
+    parser.add_argument("--requests", type=int, default=None, metavar="N",
+                        help="--continuous-batching: requests per run, submitted at once (default 16)")
 
 
 def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> BenchConfig:
@@ -110,6 +115,8 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> Benc
         max_step_spans=args.max_step_spans,
         step_spans=args.step_spans,
         background_emission=args.background_emission,
+        continuous_batching=args.continuous_batching,
+        requests=args.requests,
         argv=list(argv),
     )
 
@@ -134,6 +141,10 @@ def _median_iqr(
 
 def summary_text(result: Dict[str, Any]) -> str:
     """The human-readable summary printed on stderr: every median with its interquartile range."""
+    if result.get("mode") == "continuous_batching":
+        from otel_generate.bench.continuous import summary_text as continuous_summary
+
+        return continuous_summary(result, _median_iqr)
     samples = result["samples"]
     elapsed = [s["elapsed_s"] for s in samples]
     rates = [s["tokens_per_s"] for s in samples]

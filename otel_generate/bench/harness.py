@@ -26,9 +26,9 @@ work it deferred (the span processor's export, the metric collection) is finishe
 timer and charged to that call, so it reports two paired ratios: the caller-visible one and
 the one including deferred work.
 
-A workload is a :class:`_Runner`: a model, its inputs and the one call each run times. Another
-workload (e.g. continuous batching, ``--continuous-batching --requests N``) would be another
-runner with the same ``timed()``/``counts()`` surface.
+A workload is a :class:`_Runner`: a model, its inputs and the one call each run times. The
+continuous-batching workload (``--continuous-batching --requests N``: waves of requests on one
+persistent manager, plain and instrumented interleaved) is :mod:`otel_generate.bench.continuous`.
 
 Units: ``*_s`` keys are seconds, ``*_ms`` milliseconds, ``*_us`` microseconds.
 
@@ -133,6 +133,8 @@ class BenchConfig:
     max_step_spans: Optional[int] = None  # --compare: instrument(max_step_spans=N); None: the instrumentation's default
     step_spans: Optional[str] = None  # --compare: instrument(step_spans=...); None: the instrumentation's default
     background_emission: bool = False  # --compare: instrument(background_emission=True)
+    continuous_batching: bool = False  # the continuous-batching workload (otel_generate.bench.continuous)
+    requests: Optional[int] = None  # --continuous-batching: requests per run (None: the default, 16)
     argv: List[str] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -173,7 +175,23 @@ class BenchConfig:
             raise BenchUsageError(f"--exporter must be one of {', '.join(EXPORTERS)}, got {self.exporter!r}")
         if self.max_step_spans is not None and self.max_step_spans < 0:
             raise BenchUsageError(f"--max-step-spans must be 0 or more, got {self.max_step_spans}")
-        if not self.compare:
+        if self.continuous_batching:
+            if self.requests is None:
+                from otel_generate.bench.continuous import DEFAULT_REQUESTS
+
+                self.requests = DEFAULT_REQUESTS
+            if self.requests < 1:
+                raise BenchUsageError(f"--requests must be at least 1, got {self.requests}")
+            if self.batch_size != 1:
+                raise BenchUsageError("--batch-size does not apply to --continuous-batching (each request is one "
+                                      "prompt); use --requests")
+            if self.plot is not None:
+                raise BenchUsageError("--plot does not apply to --continuous-batching")
+            _require("opentelemetry.sdk", "--continuous-batching needs the OpenTelemetry SDK: pip install "
+                     "opentelemetry-sdk (the package's [bench] extra)")
+        elif self.requests is not None:
+            raise BenchUsageError("--requests applies to --continuous-batching; add --continuous-batching")
+        if not self.compare and not self.continuous_batching:
             if self.exporter != "discard":
                 raise BenchUsageError("--exporter applies to the instrumented runs of --compare; add --compare")
             if self.max_step_spans is not None:
@@ -980,6 +998,10 @@ def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> 
             :func:`check_lengths`, :func:`resolve_eos`).
         ValueError: a timed call whose clock did not advance.
     """
+    if config.continuous_batching:
+        from otel_generate.bench import continuous
+
+        return continuous.run(config, clock)
     config.validate()
     monitor = LoadMonitor(own_threads=config.threads)
     monitor.read("start")
