@@ -76,12 +76,12 @@ class _Waves:
     """The persistent manager and the one wave of requests every run submits."""
 
     def __init__(self, config: H.BenchConfig, device: str, clock: Callable[[], float]) -> None:
-        from transformers import ContinuousBatchingConfig, GenerationConfig
-
         self.config = config
         self.clock = clock
         self.model = H.build_bench_model(config, device)
         check_supported(self.model)
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+
         H.check_lengths(config.prompt_tokens, config.new_tokens, H.max_positions(self.model))
         self.eos = H.resolve_eos(config, self.model)
         inputs = H.make_inputs(self.model, config.requests, config.prompt_tokens, config.seed)
@@ -154,7 +154,8 @@ def compare_waves(waves: _Waves, monitor: Optional[H.LoadMonitor] = None) -> Dic
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from otel_generate import DEFAULT_MAX_STEP_SPANS, ENV_MAX_STEP_SPANS, GenerateInstrumentor, _env_int
+    from otel_generate import GenerateInstrumentor
+    from otel_generate.options import DEFAULT_MAX_STEP_SPANS, ENV_MAX_STEP_SPANS, env_int
 
     H._check_uninstrumented()
     config = waves.config
@@ -169,7 +170,7 @@ def compare_waves(waves: _Waves, monitor: Optional[H.LoadMonitor] = None) -> Dic
         options["max_step_spans"] = config.max_step_spans
         max_step_spans = config.max_step_spans
     else:
-        max_step_spans = _env_int(ENV_MAX_STEP_SPANS, DEFAULT_MAX_STEP_SPANS)
+        max_step_spans = env_int(ENV_MAX_STEP_SPANS, DEFAULT_MAX_STEP_SPANS)
     flushes_complete = True
 
     def plain() -> Tuple[List[List[int]], float, int]:
