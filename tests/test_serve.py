@@ -104,6 +104,20 @@ def check_request_trees(results, spans):
     assert {s["trace_id"] for s in spans if s["name"].startswith(A.OPERATION_TEXT_COMPLETION + " ")} == traces
 
 
+def expected_completion(model_dir, prompt):
+    """The text greedy ``generate()`` continues ``prompt`` with, uninstrumented, as the server decodes it."""
+    import torch
+    from opentelemetry.instrumentation.utils import suppress_instrumentation
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    with suppress_instrumentation():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
 def _sdk_span(span):
     return {
         "name": span.name, "trace_id": span.context.trace_id, "span_id": span.context.span_id,
@@ -142,6 +156,8 @@ def test_in_process_serve_puts_each_request_under_its_http_span(mode, model_dir,
 
     spans = [_sdk_span(s) for s in span_exporter.get_finished_spans()]
     check_request_trees(results, spans)
+    for result in results:  # what the server answered is what uninstrumented greedy generate() gives
+        assert result["response"]["choices"][0]["text"] == expected_completion(model_dir, result["prompt"])
     assert all(s["kind"] == SpanKind.SERVER for s in spans if s["name"] == "POST /v1/completions")
     requests = {s.context.trace_id: s for s in request_spans(span_exporter)}
     for result in results:
