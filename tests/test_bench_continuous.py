@@ -85,6 +85,15 @@ def test_max_step_spans_zero_keeps_request_spans_only(capsys, tmp_path):
     assert "added per batch step: caller-visible" in err and "(IQR " in err
 
 
+@needs_cb
+def test_step_span_policy_none_is_passed_through(tmp_path):
+    out = tmp_path / "cb.json"
+    assert run_cli("--continuous-batching", "--requests", "2", "--new-tokens", "2", "--runs", "1", "--warmup", "0",
+                   "--step-spans", "none", "--output", str(out)) == 0
+    cmp = json.loads(out.read_text())["compare"]
+    assert cmp["step_spans"] == "none" and cmp["spans_exported"] == cmp["spans_expected"] == 2
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

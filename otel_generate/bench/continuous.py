@@ -171,6 +171,9 @@ def compare_waves(waves: _Waves, monitor: Optional[H.LoadMonitor] = None) -> Dic
         max_step_spans = config.max_step_spans
     else:
         max_step_spans = env_int(ENV_MAX_STEP_SPANS, DEFAULT_MAX_STEP_SPANS)
+    if config.step_spans is not None:
+        options["step_spans"] = config.step_spans
+    policy = config.step_spans or os.environ.get("OTEL_GENERATE_STEP_SPANS", "all").strip().lower() or "all"
     flushes_complete = True
 
     def plain() -> Tuple[List[List[int]], float, int]:
@@ -236,7 +239,8 @@ def compare_waves(waves: _Waves, monitor: Optional[H.LoadMonitor] = None) -> Dic
         "instrumented": (
             "GenerateInstrumentor().instrument(tracer_provider=SDK TracerProvider + BatchSpanProcessor + "
             f"{config.exporter} exporter, meter_provider=SDK MeterProvider"
-            + (f", max_step_spans={config.max_step_spans}" if config.max_step_spans is not None else "") + ")"
+            + (f", max_step_spans={config.max_step_spans}" if config.max_step_spans is not None else "")
+            + (f", step_spans={config.step_spans!r}" if config.step_spans is not None else "") + ")"
         ),
         "deferred": (
             "after each instrumented run, outside its timer: tracer_provider.force_flush() (drains the background "
@@ -275,8 +279,13 @@ def compare_waves(waves: _Waves, monitor: Optional[H.LoadMonitor] = None) -> Dic
     result.update({
         "spans_exported": spans_exported,
         "max_step_spans": max_step_spans,
-        # per run and request: the request span + one span per step (one prefill step, then one per further token)
-        "spans_expected": config.runs * sum(1 + min(n, max_step_spans) for n in per_request_tokens),
+        "step_spans": policy,
+        # per run and request: the request span + one span per step (one prefill step, then one per further
+        # token); the step-span policy emits none (none) or only some (slow: not predictable, None)
+        "spans_expected": (
+            config.runs * sum(1 + min(n, max_step_spans) for n in per_request_tokens) if policy == "all"
+            else config.runs * len(per_request_tokens) if policy == "none" else None
+        ),
         "exported_bytes": exported_bytes,
         "flushes_complete": flushes_complete,
         "outputs_identical": identical,
@@ -355,7 +364,7 @@ def summary_text(result: Dict[str, Any], median_iqr: Callable[..., str]) -> str:
         f"{result['new_tokens_requested']} new tokens requested (EOS {'on' if result['eos_token_id'] else 'off'}); "
         f"cache {sizes['num_blocks']} pages of {sizes['page_size']}, {sizes['max_batch_tokens']} tokens per batch",
         f"  {cmp['pairs']} pairs after {result['warmup']} warmup pairs, plain / instrumented interleaved A B A B, "
-        f"exporter {cmp['exporter']}, max_step_spans {cmp['max_step_spans']}",
+        f"exporter {cmp['exporter']}, max_step_spans {cmp['max_step_spans']}, step spans {cmp['step_spans']}",
         f"  batch steps per run  median {m('plain_batch_steps', '.0f')}",
         f"    plain         median {m('plain_elapsed_s', '.3f', 1e3, 'ms')}, {m('plain_tokens_per_s', '.1f', unit='tokens/s')}",
         f"    instrumented  median {m('instrumented_elapsed_s', '.3f', 1e3, 'ms')} caller-visible, "
