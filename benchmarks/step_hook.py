@@ -120,9 +120,15 @@ def run(
     Raises:
         ValueError: a count below 1.
     """
-    for name, value in (("repeats", repeats), ("calls", calls), ("batch_size", batch_size),
-                        ("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens), ("vocab", vocab),
-                        ("threads", threads)):
+    for name, value in (
+        ("repeats", repeats),
+        ("calls", calls),
+        ("batch_size", batch_size),
+        ("prompt_tokens", prompt_tokens),
+        ("new_tokens", new_tokens),
+        ("vocab", vocab),
+        ("threads", threads),
+    ):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
     previous_threads = torch.get_num_threads()
@@ -143,8 +149,10 @@ def run(
         for base in variants.values():
             bench_variant(base, input_ids, scores, prompt_tokens, 3, min(calls, 100))
         gc.disable()
-        results = {name: bench_variant(base, input_ids, scores, prompt_tokens, repeats, calls)
-                   for name, base in variants.items()}
+        results = {
+            name: bench_variant(base, input_ids, scores, prompt_tokens, repeats, calls)
+            for name, base in variants.items()
+        }
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -198,8 +206,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--output", default="-", help="JSON destination ('-' = stdout, the default)")
     args = parser.parse_args(argv)
     try:
-        result = run(args.repeats, args.calls, args.batch_size, args.prompt_tokens, args.new_tokens, args.vocab,
-                     args.threads)
+        result = run(
+            args.repeats, args.calls, args.batch_size, args.prompt_tokens, args.new_tokens, args.vocab, args.threads
+        )
     except ValueError as exc:
         parser.error(str(exc))
     text = json.dumps(result, indent=2)

@@ -32,8 +32,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=4, help="random prompt length for the built model")
     parser.add_argument("--new-tokens", type=int, default=8, help="max_new_tokens")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1, so the thread count is never an implicit variable)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1, so the thread count is never an implicit variable)",
+    )
     args = parser.parse_args(argv)
     if args.prompt_tokens < 1 or args.new_tokens < 1:
         parser.error("--prompt-tokens and --new-tokens must be at least 1")
@@ -75,7 +79,9 @@ def main(argv=None) -> int:
         print(f"continuation text: {tokenizer.decode(continuation, skip_special_tokens=True)!r}")
     print(f"time to first token: {record.time_to_first_token_s * 1e3:.3f} ms")
     tpot = record.time_per_output_token_s
-    print(f"time per output token: {tpot * 1e3:.3f} ms" if tpot is not None else "time per output token: n/a (one token)")
+    print(
+        f"time per output token: {tpot * 1e3:.3f} ms" if tpot is not None else "time per output token: n/a (one token)"
+    )
     return 0
 
 

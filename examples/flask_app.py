@@ -84,7 +84,7 @@ def create_app(
         record = profiler.records[-1]
         tpot = record.time_per_output_token_s
         return jsonify(
-            continuation=output[0, ids.shape[-1]:].tolist(),
+            continuation=output[0, ids.shape[-1] :].tolist(),
             time_to_first_token_ms=record.time_to_first_token_s * 1e3,
             time_per_output_token_ms=None if tpot is None else tpot * 1e3,
             trace_id=format(trace.get_current_span().get_span_context().trace_id, "032x"),

@@ -49,8 +49,9 @@ def build_tokenizer() -> Any:
     vocab = {token: index for index, token in enumerate(list(SPECIAL_TOKENS) + characters)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
-                                        eos_token="</s>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
     tokenizer.chat_template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}assistant: {% endif %}"
@@ -64,12 +65,22 @@ def build_model_dir(path: str, seed: int = 0) -> str:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=0,
+    )
     model = LlamaForCausalLM(config).eval()
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=0,
-                                               do_sample=False)
+    model.generation_config = GenerationConfig(
+        bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=0, do_sample=False
+    )
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return path
@@ -80,18 +91,24 @@ def traceparent(trace_id: int, span_id: int) -> str:
     return f"00-{trace_id:032x}-{span_id:016x}-01"
 
 
-def complete(base_url: str, prompt: str, max_tokens: int, headers: Optional[Dict[str, str]] = None,
-             timeout_s: float = 120.0) -> Dict[str, Any]:
+def complete(
+    base_url: str, prompt: str, max_tokens: int, headers: Optional[Dict[str, str]] = None, timeout_s: float = 120.0
+) -> Dict[str, Any]:
     """``POST {base_url}/v1/completions`` (greedy); the JSON answer."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
-    request = urllib.request.Request(f"{base_url}/v1/completions", data=body, method="POST",
-                                     headers={"Content-Type": "application/json", **(headers or {})})
+    request = urllib.request.Request(
+        f"{base_url}/v1/completions",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
         return json.load(response)
 
 
-def send_concurrent(base_url: str, prompts: Sequence[str], max_tokens: int,
-                    rng: Optional[random.Random] = None) -> List[Dict[str, Any]]:
+def send_concurrent(
+    base_url: str, prompts: Sequence[str], max_tokens: int, rng: Optional[random.Random] = None
+) -> List[Dict[str, Any]]:
     """Send one completion request per prompt, all at once, each in a trace of its own.
 
     Returns, in prompt order, ``{"prompt", "trace_id", "parent_span_id"`` (hex, the ``traceparent``
@@ -142,8 +159,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prompts = [f"request {index}: hello" for index in range(args.requests)]
     for result in send_concurrent(args.url.rstrip("/"), prompts, args.max_tokens):
         usage = result["response"]["usage"]
-        print(f"trace_id={result['trace_id']} prompt_tokens={usage['prompt_tokens']} "
-              f"completion_tokens={usage['completion_tokens']} text={result['response']['choices'][0]['text']!r}")
+        print(
+            f"trace_id={result['trace_id']} prompt_tokens={usage['prompt_tokens']} "
+            f"completion_tokens={usage['completion_tokens']} text={result['response']['choices'][0]['text']!r}"
+        )
     return 0
 
 

@@ -182,8 +182,12 @@ def export_timeout_s(signal: str) -> float:
             if not value > 0 or value == float("inf"):
                 raise ValueError
         except ValueError:
-            _warn_once((variable, raw), "otel_generate: %s=%r is not a positive number of seconds; ignored for the "
-                       "exit flush bound", variable, raw)
+            _warn_once(
+                (variable, raw),
+                "otel_generate: %s=%r is not a positive number of seconds; ignored for the exit flush bound",
+                variable,
+                raw,
+            )
             continue
         return value
     return DEFAULT_EXPORT_TIMEOUT_S
@@ -229,7 +233,8 @@ def flush(tracer_provider: Any = None, meter_provider: Any = None, reason: str =
     if late:
         _LOG.warning(
             "otel_generate: flushing %s did not finish (%s, the exporter's timeout); what was still queued is lost",
-            reason or "telemetry", ", ".join(late),
+            reason or "telemetry",
+            ", ".join(late),
         )
         return False
     return True
@@ -246,5 +251,6 @@ def _run_flush(signal: str, provider: Any, bound_s: float) -> None:
         else:
             provider.force_flush(timeout_millis=int(bound_s * 1000))
     except Exception as exc:  # an exporter's fault is logged, never raised into an exiting worker
-        _warn_once(("flush", signal, type(exc)), "otel_generate: flushing %s failed (%s: %s)", signal,
-                   type(exc).__name__, exc)
+        _warn_once(
+            ("flush", signal, type(exc)), "otel_generate: flushing %s failed (%s: %s)", signal, type(exc).__name__, exc
+        )

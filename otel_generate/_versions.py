@@ -116,8 +116,11 @@ def before_auto_instrumentation() -> None:
     try:
         _before_auto_instrumentation()
     except Exception as exc:  # never break the application's start
-        _LOG.warning("otel_generate: the pre-release version check before auto-instrumentation failed (%s: %s)",
-                     type(exc).__name__, exc)
+        _LOG.warning(
+            "otel_generate: the pre-release version check before auto-instrumentation failed (%s: %s)",
+            type(exc).__name__,
+            exc,
+        )
 
 
 def _before_auto_instrumentation() -> None:

@@ -73,7 +73,8 @@ GENERATE_STEP_SPANS_DROPPED = "generate.step_spans.dropped"
 #: The step-span policy that applied (``all``, ``none``, ``slow``) and whether this request's steps were emitted.
 GENERATE_STEP_SPANS_POLICY = "generate.step_spans.policy"
 GENERATE_STEP_SPANS_EMITTED = "generate.step_spans.emitted"
-#: Why the ``slow`` policy emitted them: ``error``, ``time_to_first_token``, ``time_per_output_token``, ``slowest_fraction``.
+#: Why the ``slow`` policy emitted them: ``error``, ``time_to_first_token``, ``time_per_output_token``,
+#: ``slowest_fraction``.
 GENERATE_STEP_SPANS_REASON = "generate.step_spans.reason"
 #: Every step's latency in seconds, in order (capped like ``max_step_spans``).
 GENERATE_STEP_LATENCIES = "generate.step.latencies"
@@ -164,10 +165,37 @@ METRIC_TOKEN_USAGE = "gen_ai.client.token.usage"
 
 # Explicit bucket boundaries from the GenAI metrics page (seconds, or tokens for usage).
 BUCKETS_TIME_TO_FIRST_TOKEN_S = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
 )
 BUCKETS_TIME_PER_OUTPUT_TOKEN_S = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
 )
 BUCKETS_REQUEST_DURATION_S = tuple(round(0.01 * 2**i, 2) for i in range(14))  # 0.01 .. 81.92
 BUCKETS_OPERATION_DURATION_S = BUCKETS_REQUEST_DURATION_S  # the same boundaries on the metrics page

@@ -23,7 +23,7 @@ import functools
 import os
 import threading
 import time
-from typing import Any, Callable, Deque, Optional
+from typing import Callable, Deque, Optional
 
 from otel_generate._faults import log_fault_once
 from otel_generate._patch import Patches
@@ -72,10 +72,13 @@ class BackgroundEmitter:
                 self._wake.notify()
                 return True
         if full:
-            log_fault_once("background emission", RuntimeError(
-                f"the background emitter's queue is full ({self.max_pending} requests); requests are dropped and "
-                "counted"
-            ))
+            log_fault_once(
+                "background emission",
+                RuntimeError(
+                    f"the background emitter's queue is full ({self.max_pending} requests); requests are dropped and "
+                    "counted"
+                ),
+            )
         return False
 
     def pending(self) -> int:

@@ -102,7 +102,8 @@ def parse_mode(value: Any) -> ContentMode:
         except KeyError:
             raise ValueError(f"content capture mode must be one of {ACCEPTED_MODES}; got {value!r}") from None
     raise TypeError(
-        f"capture_message_content must be a bool or a mode name ({ACCEPTED_MODES}), got {type(value).__name__} {value!r}"
+        f"capture_message_content must be a bool or a mode name ({ACCEPTED_MODES}), "
+        f"got {type(value).__name__} {value!r}"
     )
 
 

@@ -81,7 +81,9 @@ class Telemetry:
         self.profilers = profilers
         self.active = True
         self.content = content
-        self.options = options if options is not None else Options(synchronize=synchronize, max_step_spans=max_step_spans)
+        self.options = (
+            options if options is not None else Options(synchronize=synchronize, max_step_spans=max_step_spans)
+        )
         self.emitter: Any = None
         self.slow = None
         from otel_generate.fast_spans import FastStepSpans
@@ -90,7 +92,9 @@ class Telemetry:
         self.fast = FastStepSpans.for_tracer(tracer)
         if self.options.step_spans == A.POLICY_SLOW:
             self.slow = SlowRequests(
-                self.options.slow_time_to_first_token, self.options.slow_time_per_output_token, self.options.slow_fraction
+                self.options.slow_time_to_first_token,
+                self.options.slow_time_per_output_token,
+                self.options.slow_fraction,
             )
 
     def start_emitter(self, patches: Any) -> Any:
@@ -116,6 +120,7 @@ class Telemetry:
         """
         emitter = self.emitter
         if emitter is not None and self.options.background_emission and not profilers:
+
             def job() -> None:
                 finish(self, span, request, (), yield_every=BACKGROUND_YIELD_EVERY)
                 request.error = None  # the traceback holds the caller's frames
@@ -145,30 +150,41 @@ def create_instruments(meter_provider: Any = None) -> Dict[str, Any]:
 
     return {
         A.METRIC_TIME_TO_FIRST_TOKEN: histogram(
-            A.METRIC_TIME_TO_FIRST_TOKEN, "s", "Time to generate the first token (prefill step).",
+            A.METRIC_TIME_TO_FIRST_TOKEN,
+            "s",
+            "Time to generate the first token (prefill step).",
             A.BUCKETS_TIME_TO_FIRST_TOKEN_S,
         ),
         A.METRIC_TIME_PER_OUTPUT_TOKEN: histogram(
-            A.METRIC_TIME_PER_OUTPUT_TOKEN, "s",
+            A.METRIC_TIME_PER_OUTPUT_TOKEN,
+            "s",
             "Time per output token after the first, per request (mean decode step).",
             A.BUCKETS_TIME_PER_OUTPUT_TOKEN_S,
         ),
         A.METRIC_REQUEST_DURATION: histogram(
-            A.METRIC_REQUEST_DURATION, "s", "Duration of the request, as the model server sees it.",
+            A.METRIC_REQUEST_DURATION,
+            "s",
+            "Duration of the request, as the model server sees it.",
             A.BUCKETS_REQUEST_DURATION_S,
         ),
         A.METRIC_CLIENT_OPERATION_DURATION: histogram(
-            A.METRIC_CLIENT_OPERATION_DURATION, "s", "Duration of the generate() call, as its caller sees it.",
+            A.METRIC_CLIENT_OPERATION_DURATION,
+            "s",
+            "Duration of the generate() call, as its caller sees it.",
             A.BUCKETS_OPERATION_DURATION_S,
         ),
         A.METRIC_TOKEN_USAGE: histogram(
-            A.METRIC_TOKEN_USAGE, "{token}", "Input and output tokens per request.", A.BUCKETS_TOKEN_USAGE,
+            A.METRIC_TOKEN_USAGE,
+            "{token}",
+            "Input and output tokens per request.",
+            A.BUCKETS_TOKEN_USAGE,
         ),
     }
 
 
 def get_event_logger(logger_provider: Any = None) -> Any:
-    """This package's logs-API ``Logger`` (for the opt-in content event), with the :data:`~otel_generate.attributes.SCHEMA_URL`."""
+    """This package's logs-API ``Logger`` (for the opt-in content event), with the
+    :data:`~otel_generate.attributes.SCHEMA_URL`."""
     from opentelemetry import _logs
 
     return _logs.get_logger(INSTRUMENTATION_NAME, __version__, logger_provider, schema_url=A.SCHEMA_URL)
@@ -179,9 +195,7 @@ def request_span_name(model: str) -> str:
     return f"{A.OPERATION_TEXT_COMPLETION} {model}"
 
 
-def start_request_span(
-    telemetry: Telemetry, model: str, context: Any = None, start_time: Optional[int] = None
-) -> Any:
+def start_request_span(telemetry: Telemetry, model: str, context: Any = None, start_time: Optional[int] = None) -> Any:
     """Start the request span of ``model`` (kind INTERNAL), a child of ``context`` (default: current).
 
     ``start_time`` is nanoseconds since the epoch (default: now).
@@ -367,9 +381,7 @@ def _outliers(request: Request, latencies_ns: Sequence[int], factor: float) -> f
     middle = len(ordered) // 2
     median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
     limit = factor * median
-    return frozenset(
-        index for index, latency in enumerate(latencies_ns) if index not in prefill and latency > limit
-    )
+    return frozenset(index for index, latency in enumerate(latencies_ns) if index not in prefill and latency > limit)
 
 
 def _emit_steps(
@@ -413,7 +425,12 @@ def _emit_steps(
     token_ids = request.step_token_ids or ()  # opt-in content, one list per step
     logprobs = request.step_logprobs or ()
     extra = bool(step_requests is not None or token_ids or logprobs or outliers)
-    INDEX, TOKEN, TOKENS, LATENCY = A.GENERATE_STEP_INDEX, A.GENERATE_TOKEN_INDEX, A.GENERATE_STEP_TOKENS, A.GENERATE_STEP_LATENCY
+    INDEX, TOKEN, TOKENS, LATENCY = (
+        A.GENERATE_STEP_INDEX,
+        A.GENERATE_TOKEN_INDEX,
+        A.GENERATE_STEP_TOKENS,
+        A.GENERATE_STEP_LATENCY,
+    )
     PREFILL, DECODE = A.STEP_SPAN_PREFILL, A.STEP_SPAN_DECODE
     fast = telemetry.fast
     fast_emit = fast.emit if fast is not None else None
@@ -432,8 +449,10 @@ def _emit_steps(
             if index < len(logprobs) and logprobs[index]:
                 attributes[A.GENERATE_STEP_LOGPROBS] = logprobs[index]
         token_index += tokens[index]
-        if fast_emit is not None and (not extra or fast_eligible(attributes)) and fast_emit(
-            parents[index], parent_spans[index], name, start + wall_offset, end + wall_offset, attributes
+        if (
+            fast_emit is not None
+            and (not extra or fast_eligible(attributes))
+            and fast_emit(parents[index], parent_spans[index], name, start + wall_offset, end + wall_offset, attributes)
         ):
             pass
         else:

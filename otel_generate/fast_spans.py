@@ -95,7 +95,9 @@ class FastStepSpans:
             log_fault_once("fast step spans check", fault)
             return None
 
-    def emit(self, parent_context: Any, parent: Any, name: str, start: int, end: int, attributes: Dict[str, Any]) -> bool:
+    def emit(
+        self, parent_context: Any, parent: Any, name: str, start: int, end: int, attributes: Dict[str, Any]
+    ) -> bool:
         """One ended step span, child of ``parent`` (a ``SpanContext``) in ``parent_context``
         (a ``Context`` holding the parent span); False when the caller must use the public path."""
         if self.broken:
@@ -153,8 +155,13 @@ def _decides_per_parent(sampler: Any) -> bool:
     if isinstance(sampler, (sampling.StaticSampler, sampling.TraceIdRatioBased)):
         return True
     if isinstance(sampler, sampling.ParentBased):
-        delegates = ("_root", "_remote_parent_sampled", "_remote_parent_not_sampled", "_local_parent_sampled",
-                     "_local_parent_not_sampled")
+        delegates = (
+            "_root",
+            "_remote_parent_sampled",
+            "_remote_parent_not_sampled",
+            "_local_parent_sampled",
+            "_local_parent_not_sampled",
+        )
         return all(_decides_per_parent(getattr(sampler, name, None)) for name in delegates)
     return False
 

@@ -151,8 +151,14 @@ def env_int(name: str, default: int) -> int:
     return _from_env(name, default, _parse_count, "a non-negative integer")
 
 
-def _keyword(kwargs: Dict[str, Any], name: str, kind: Any, kind_text: str,
-             check: Optional[Callable[[Any], bool]] = None, range_text: str = "") -> Any:
+def _keyword(
+    kwargs: Dict[str, Any],
+    name: str,
+    kind: Any,
+    kind_text: str,
+    check: Optional[Callable[[Any], bool]] = None,
+    range_text: str = "",
+) -> Any:
     """The keyword ``name``, or ``None`` when not given.
 
     Raises:
@@ -184,14 +190,26 @@ def resolve(kwargs: Dict[str, Any]) -> Options:
             f"expected some of {', '.join(NAMES)}"
         )
     for name, method in (
-        ("tracer_provider", "get_tracer"), ("meter_provider", "get_meter"), ("logger_provider", "get_logger")
+        ("tracer_provider", "get_tracer"),
+        ("meter_provider", "get_meter"),
+        ("logger_provider", "get_logger"),
     ):
         provider = kwargs.get(name)
         if provider is not None and not callable(getattr(provider, method, None)):
-            raise TypeError(f"{name} must be an OpenTelemetry provider with {method}(), got {type(provider).__name__} {provider!r}")
+            raise TypeError(
+                f"{name} must be an OpenTelemetry provider with {method}(), got {type(provider).__name__} {provider!r}"
+            )
 
-    def pick(name: str, kind: Any, kind_text: str, check: Optional[Callable[[Any], bool]], range_text: str,
-             env: str, default: Any, parse: Callable[[str], Any]) -> Any:
+    def pick(
+        name: str,
+        kind: Any,
+        kind_text: str,
+        check: Optional[Callable[[Any], bool]],
+        range_text: str,
+        env: str,
+        default: Any,
+        parse: Callable[[str], Any],
+    ) -> Any:
         value = _keyword(kwargs, name, kind, kind_text, check, range_text)
         expected = f"{kind_text} {range_text}".strip()
         return _from_env(env, default, parse, expected) if value is None else value
@@ -201,7 +219,10 @@ def resolve(kwargs: Dict[str, Any]) -> Options:
     step_spans = kwargs.get("step_spans")
     if step_spans is not None:
         if not isinstance(step_spans, str):
-            raise TypeError(f"step_spans must be one of {', '.join(STEP_SPAN_POLICIES)}, got {type(step_spans).__name__} {step_spans!r}")
+            raise TypeError(
+                f"step_spans must be one of {', '.join(STEP_SPAN_POLICIES)}, "
+                f"got {type(step_spans).__name__} {step_spans!r}"
+            )
         step_spans = _parse_policy_keyword(step_spans)
     else:
         step_spans = _from_env(ENV_STEP_SPANS, STEP_SPANS_ALL, _parse_policy, f"one of {', '.join(STEP_SPAN_POLICIES)}")
@@ -211,27 +232,76 @@ def resolve(kwargs: Dict[str, Any]) -> Options:
         meter_provider=kwargs.get("meter_provider"),
         logger_provider=kwargs.get("logger_provider"),
         synchronize=pick("synchronize", bool, "a bool", None, "", ENV_SYNCHRONIZE, True, _parse_bool),
-        max_step_spans=pick("max_step_spans", int, "an int", lambda v: v >= 0, ">= 0", ENV_MAX_STEP_SPANS,
-                            DEFAULT_MAX_STEP_SPANS, _parse_count),
+        max_step_spans=pick(
+            "max_step_spans",
+            int,
+            "an int",
+            lambda v: v >= 0,
+            ">= 0",
+            ENV_MAX_STEP_SPANS,
+            DEFAULT_MAX_STEP_SPANS,
+            _parse_count,
+        ),
         step_spans=step_spans,
-        slow_time_to_first_token=float(pick(
-            "slow_time_to_first_token", number, "a number of seconds", lambda v: v > 0, "> 0",
-            ENV_SLOW_TIME_TO_FIRST_TOKEN, DEFAULT_SLOW_TIME_TO_FIRST_TOKEN_S, _parse_positive)),
-        slow_time_per_output_token=float(pick(
-            "slow_time_per_output_token", number, "a number of seconds", lambda v: v > 0, "> 0",
-            ENV_SLOW_TIME_PER_OUTPUT_TOKEN, DEFAULT_SLOW_TIME_PER_OUTPUT_TOKEN_S, _parse_positive)),
-        slow_fraction=float(pick("slow_fraction", number, "a number", lambda v: 0 <= v <= 1, "between 0 and 1",
-                                 ENV_SLOW_FRACTION, DEFAULT_SLOW_FRACTION, _parse_fraction)),
-        outlier_factor=float(pick("outlier_factor", number, "a number", lambda v: v >= 1, ">= 1",
-                                  ENV_OUTLIER_FACTOR, DEFAULT_OUTLIER_FACTOR, _parse_factor)),
-        background_emission=pick("background_emission", bool, "a bool", None, "", ENV_BACKGROUND_EMISSION, False,
-                                 _parse_bool),
+        slow_time_to_first_token=float(
+            pick(
+                "slow_time_to_first_token",
+                number,
+                "a number of seconds",
+                lambda v: v > 0,
+                "> 0",
+                ENV_SLOW_TIME_TO_FIRST_TOKEN,
+                DEFAULT_SLOW_TIME_TO_FIRST_TOKEN_S,
+                _parse_positive,
+            )
+        ),
+        slow_time_per_output_token=float(
+            pick(
+                "slow_time_per_output_token",
+                number,
+                "a number of seconds",
+                lambda v: v > 0,
+                "> 0",
+                ENV_SLOW_TIME_PER_OUTPUT_TOKEN,
+                DEFAULT_SLOW_TIME_PER_OUTPUT_TOKEN_S,
+                _parse_positive,
+            )
+        ),
+        slow_fraction=float(
+            pick(
+                "slow_fraction",
+                number,
+                "a number",
+                lambda v: 0 <= v <= 1,
+                "between 0 and 1",
+                ENV_SLOW_FRACTION,
+                DEFAULT_SLOW_FRACTION,
+                _parse_fraction,
+            )
+        ),
+        outlier_factor=float(
+            pick(
+                "outlier_factor",
+                number,
+                "a number",
+                lambda v: v >= 1,
+                ">= 1",
+                ENV_OUTLIER_FACTOR,
+                DEFAULT_OUTLIER_FACTOR,
+                _parse_factor,
+            )
+        ),
+        background_emission=pick(
+            "background_emission", bool, "a bool", None, "", ENV_BACKGROUND_EMISSION, False, _parse_bool
+        ),
         measure_memory=pick("measure_memory", bool, "a bool", None, "", ENV_MEASURE_MEMORY, True, _parse_bool),
         capture_message_content=mode,
-        capture_step_token_ids=pick("capture_step_token_ids", bool, "a bool", None, "",
-                                    _content.ENV_CAPTURE_STEP_TOKEN_IDS, False, _parse_bool),
-        capture_step_logprobs=pick("capture_step_logprobs", bool, "a bool", None, "",
-                                   _content.ENV_CAPTURE_STEP_LOGPROBS, False, _parse_bool),
+        capture_step_token_ids=pick(
+            "capture_step_token_ids", bool, "a bool", None, "", _content.ENV_CAPTURE_STEP_TOKEN_IDS, False, _parse_bool
+        ),
+        capture_step_logprobs=pick(
+            "capture_step_logprobs", bool, "a bool", None, "", _content.ENV_CAPTURE_STEP_LOGPROBS, False, _parse_bool
+        ),
     )
 
 

@@ -80,7 +80,9 @@ def count_new_tokens(
     return counts.tolist()
 
 
-def counts_from_done(done: Sequence[Any], lengths: Sequence[int], prompt_length: int, sequences: Any) -> Optional[List[int]]:
+def counts_from_done(
+    done: Sequence[Any], lengths: Sequence[int], prompt_length: int, sequences: Any
+) -> Optional[List[int]]:
     """Generated tokens per row from when each row was stopped, as the stopping criteria said.
 
     Args:

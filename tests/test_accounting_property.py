@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import request_spans, step_spans, uninstrumented_generate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.sdk.trace import TracerProvider
@@ -22,8 +23,6 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from otel_generate import GenerateInstrumentor
 from otel_generate import attributes as A
 from otel_generate.bench.models import EOS_TOKEN_ID, PAD_TOKEN_ID
-
-from conftest import request_spans, step_spans, uninstrumented_generate
 
 NUM_BEAMS = 2
 
@@ -116,8 +115,12 @@ def test_token_accounting_matches_the_output_tensor(exporter, gpt2, case):
         mask[row, :pads] = 0
     beams = NUM_BEAMS if case["strategy"] == "beam_search" else 1
     kwargs = dict(
-        attention_mask=mask, max_new_tokens=case["max_new_tokens"], eos_token_id=EOS_TOKEN_ID,
-        pad_token_id=PAD_TOKEN_ID, do_sample=case["strategy"] == "sample", num_beams=beams,
+        attention_mask=mask,
+        max_new_tokens=case["max_new_tokens"],
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=PAD_TOKEN_ID,
+        do_sample=case["strategy"] == "sample",
+        num_beams=beams,
         num_return_sequences=case["returned"],
     )
 

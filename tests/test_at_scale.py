@@ -8,17 +8,15 @@ import time
 
 import pytest
 import torch
+from conftest import prompt, request_spans, step_spans, uninstrumented_generate
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from otel_generate import GenerateInstrumentor
 from otel_generate import attributes as A
 from otel_generate.figures import cache_bytes
 from otel_generate.policy import MAX_MODELS, MIN_SAMPLES, WINDOW, SlowRequests
-
-from conftest import prompt, request_spans, step_spans, uninstrumented_generate
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -103,8 +101,10 @@ def test_background_emission_returns_before_the_step_spans_and_flush_delivers_th
     spans = list(exporter.spans)
     assert len(spans) == 31
     (request,) = [s for s in spans if s.name.startswith(A.OPERATION_TEXT_COMPLETION + " ")]
-    steps = sorted((s for s in spans if s.parent is not None and s.parent.span_id == request.context.span_id),
-                   key=lambda s: s.attributes[A.GENERATE_STEP_INDEX])
+    steps = sorted(
+        (s for s in spans if s.parent is not None and s.parent.span_id == request.context.span_id),
+        key=lambda s: s.attributes[A.GENERATE_STEP_INDEX],
+    )
     assert [s.name for s in steps] == ["prefill"] + ["decode"] * 29
     latencies = list(request.attributes[A.GENERATE_STEP_LATENCIES])
     assert [s.attributes[A.GENERATE_STEP_LATENCY] for s in steps] == latencies
@@ -126,8 +126,12 @@ def test_background_emission_matches_synchronous_attributes(instrument, gpt2, sp
     gpt2.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=None)
     assert tracer_provider.force_flush()
     synchronous, background = sorted(request_spans(span_exporter), key=lambda s: s.start_time)
-    timing = {A.GENERATE_TIME_TO_FIRST_TOKEN, A.GENERATE_TIME_PER_OUTPUT_TOKEN, A.GENERATE_STEP_LATENCIES,
-              A.GENERATE_STEP_OUTLIERS}
+    timing = {
+        A.GENERATE_TIME_TO_FIRST_TOKEN,
+        A.GENERATE_TIME_PER_OUTPUT_TOKEN,
+        A.GENERATE_STEP_LATENCIES,
+        A.GENERATE_STEP_OUTLIERS,
+    }
     same = {k: v for k, v in synchronous.attributes.items() if k not in timing}
     assert {k: v for k, v in background.attributes.items() if k not in timing} == same
     assert set(background.attributes) == set(synchronous.attributes)
@@ -187,16 +191,22 @@ def test_latencies_are_capped_like_the_step_spans(instrument, span_exporter, tra
     assert request.attributes[A.GENERATE_STEP_SPANS_DROPPED] == 4 and request.attributes[A.GENERATE_STEPS] == 7
 
 
-def test_slow_policy_emits_steps_only_above_the_threshold(instrument, span_exporter, tracer_provider, gpt2,
-                                                          monkeypatch):
+def test_slow_policy_emits_steps_only_above_the_threshold(
+    instrument, span_exporter, tracer_provider, gpt2, monkeypatch
+):
     monkeypatch.setenv("OTEL_GENERATE_STEP_SPANS", "slow")
     monkeypatch.setenv("OTEL_GENERATE_SLOW_TIME_TO_FIRST_TOKEN", "0.2")
     ids, mask = prompt(seed=55)
     for _ in range(2):  # warm up: a process's first calls are slow
         uninstrumented_generate(gpt2, ids, attention_mask=mask, max_new_tokens=4, eos_token_id=None)
     instrument(tracer_provider=tracer_provider)
-    gpt2.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=None,
-                  logits_processor=LogitsProcessorList([SleepAt(0.4, at={1})]))  # a slow first token
+    gpt2.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=4,
+        eos_token_id=None,
+        logits_processor=LogitsProcessorList([SleepAt(0.4, at={1})]),
+    )  # a slow first token
     gpt2.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=None)
     slow, fast = sorted(request_spans(span_exporter), key=lambda s: s.start_time)
     assert slow.attributes[A.GENERATE_TIME_TO_FIRST_TOKEN] > 0.2 > fast.attributes[A.GENERATE_TIME_TO_FIRST_TOKEN]
@@ -224,8 +234,13 @@ def test_slow_policy_emits_failed_requests_and_none_emits_nothing(instrument, sp
     instrumentor = instrument(tracer_provider=tracer_provider, step_spans="slow")
     ids, mask = prompt(seed=56)
     with pytest.raises(RuntimeError):
-        gpt2.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=None,
-                      logits_processor=LogitsProcessorList([RaiseAt()]))
+        gpt2.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=5,
+            eos_token_id=None,
+            logits_processor=LogitsProcessorList([RaiseAt()]),
+        )
     failed = only_request(span_exporter)
     assert failed.attributes[A.GENERATE_STEP_SPANS_REASON] == "error"
     assert len(step_spans(span_exporter, failed)) == 2
@@ -247,7 +262,7 @@ def test_slowest_fraction_is_kept_per_model_in_bounded_memory():
     reasons = [tracker.reason("m", False, 0.001, (i % 100 + 1) / 100) for i in range(100)]
     assert reasons[-1] == "slowest_fraction" and reasons[0] is None
     assert tracker.reason("other", False, 0.001, 50.0) is None  # another model: its own distribution
-    for i in range(WINDOW * 3):
+    for _ in range(WINDOW * 3):
         tracker.reason("m", False, 0.001, 0.5)
     assert tracker.models()["m"] == 2 * WINDOW  # the two windows are bounded
     for i in range(MAX_MODELS + 10):
@@ -290,8 +305,7 @@ def test_a_step_five_times_slower_is_the_only_outlier(instrumented, span_exporte
 
 def test_kv_cache_size_is_the_bytes_of_the_returned_cache(instrumented, span_exporter, gpt2):
     ids, mask = prompt(seed=58)
-    out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=None,
-                        return_dict_in_generate=True)
+    out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=None, return_dict_in_generate=True)
     cache = out.past_key_values
 
     def tensors_of(item):  # transformers 5: DynamicCache layers; 4.46: a DynamicCache or the legacy tuples
@@ -339,8 +353,13 @@ def test_prompt_lookup_counts_proposed_and_accepted_candidates(instrumented, spa
     from test_instrumentor import NoEos, _repetitive_prompt
 
     ids, mask = _repetitive_prompt(gpt2)
-    gpt2.generate(ids, attention_mask=mask, max_new_tokens=20, prompt_lookup_num_tokens=5,
-                  logits_processor=LogitsProcessorList([NoEos()]))
+    gpt2.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=20,
+        prompt_lookup_num_tokens=5,
+        logits_processor=LogitsProcessorList([NoEos()]),
+    )
     request = only_request(span_exporter)
     steps = step_spans(span_exporter, request)
     accepted = sum(s.attributes[A.GENERATE_STEP_TOKENS] - 1 for s in steps)

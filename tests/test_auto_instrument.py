@@ -9,10 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import console_spans
 
 from otel_generate import attributes as A
-
-from conftest import console_spans
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -22,9 +21,24 @@ def test_opentelemetry_instrument_prints_request_and_step_spans():
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update(OTEL_SERVICE_NAME="auto-test", PYTHONUNBUFFERED="1")
     done = subprocess.run(
-        [str(instrument), "--traces_exporter", "console", "--metrics_exporter", "none", "--logs_exporter", "none",
-         sys.executable, str(ROOT / "examples" / "app.py"), "--new-tokens", "5"],
-        capture_output=True, text=True, timeout=300, env=env, cwd=str(ROOT),
+        [
+            str(instrument),
+            "--traces_exporter",
+            "console",
+            "--metrics_exporter",
+            "none",
+            "--logs_exporter",
+            "none",
+            sys.executable,
+            str(ROOT / "examples" / "app.py"),
+            "--new-tokens",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=str(ROOT),
     )
     assert done.returncode == 0, done.stderr
     spans = console_spans(done.stdout)
@@ -45,4 +59,6 @@ def test_opentelemetry_instrument_prints_request_and_step_spans():
     tokens_line = next(line for line in done.stdout.splitlines() if line.startswith("continuation tokens:"))
     assert len(json.loads(tokens_line.split(":", 1)[1])) == 5
     ttft_line = next(line for line in done.stdout.splitlines() if line.startswith("time to first token:"))
-    assert float(ttft_line.split(":")[1].split()[0]) == pytest.approx(attrs[A.GENERATE_TIME_TO_FIRST_TOKEN] * 1e3, abs=6e-4)
+    assert float(ttft_line.split(":")[1].split()[0]) == pytest.approx(
+        attrs[A.GENERATE_TIME_TO_FIRST_TOKEN] * 1e3, abs=6e-4
+    )

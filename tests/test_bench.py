@@ -57,9 +57,19 @@ def check_schema(doc):
     """The issue's key list, with types; returns the problems found (empty when valid)."""
     problems = []
     types = {
-        "versions": dict, "device": str, "dtype": str, "parameters": int, "prompt_tokens": int,
-        "new_tokens_requested": int, "batch_size": int, "warmup": int, "runs": int, "threads": int,
-        "samples": list, "median_elapsed_s": NUMBER, "median_tokens_per_s": NUMBER,
+        "versions": dict,
+        "device": str,
+        "dtype": str,
+        "parameters": int,
+        "prompt_tokens": int,
+        "new_tokens_requested": int,
+        "batch_size": int,
+        "warmup": int,
+        "runs": int,
+        "threads": int,
+        "samples": list,
+        "median_elapsed_s": NUMBER,
+        "median_tokens_per_s": NUMBER,
         # None only when no run had a second token (TPOT) or a completed step (TTFT)
         "median_time_to_first_token_ms": NUMBER + (type(None),),
         "median_time_per_output_token_ms": NUMBER + (type(None),),
@@ -71,9 +81,9 @@ def check_schema(doc):
         elif isinstance(doc[key], bool) or not isinstance(doc[key], kind):
             problems.append(f"{key} is {type(doc[key]).__name__}")
     # every median has its interquartile range: [25th, 75th percentile] (None only with the median)
-    assert {"iqr_" + k[len("median_"):] for k in types if k.startswith("median_")} == set(harness.IQR_KEYS)
+    assert {"iqr_" + k[len("median_") :] for k in types if k.startswith("median_")} == set(harness.IQR_KEYS)
     for key in harness.IQR_KEYS:
-        value, median = doc.get(key, "missing"), doc.get("median_" + key[len("iqr_"):])
+        value, median = doc.get(key, "missing"), doc.get("median_" + key[len("iqr_") :])
         if value is None and median is None:
             continue
         if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, NUMBER) for v in value)):
@@ -168,7 +178,10 @@ def test_interquartile_range_of_known_values():
 def test_schema_check_rejects_a_document_missing_a_key():
     doc = {key: 0 for key in harness.RESULT_KEYS}
     assert check_schema(doc)  # wrong types and missing versions are reported
-    assert any("missing median_tokens_per_s" in p for p in check_schema({k: v for k, v in doc.items() if k != "median_tokens_per_s"}))
+    assert any(
+        "missing median_tokens_per_s" in p
+        for p in check_schema({k: v for k, v in doc.items() if k != "median_tokens_per_s"})
+    )
 
 
 # --- the timer ---------------------------------------------------------------------------------------
@@ -205,7 +218,7 @@ def test_each_measured_run_is_one_synchronized_generate_between_two_clock_reads(
         now[0] += 0.25
         return now[0]
 
-    monkeypatch.setattr(harness, "synchronizer_for", lambda device: (lambda: log.append("sync")))
+    monkeypatch.setattr(harness, "synchronizer_for", lambda device: lambda: log.append("sync"))
     original = harness._Runner.generate
 
     def generate(self):
@@ -355,8 +368,11 @@ def test_compare_options_without_compare_or_out_of_range_exit_2(tmp_path, capsys
     "module, argv, message",
     [
         ("opentelemetry.sdk", ["--compare"], "--compare needs the OpenTelemetry SDK"),
-        ("opentelemetry.exporter.otlp.proto.common", ["--compare", "--exporter", "otlp-encode"],
-         "--exporter otlp-encode needs opentelemetry-exporter-otlp-proto-common"),
+        (
+            "opentelemetry.exporter.otlp.proto.common",
+            ["--compare", "--exporter", "otlp-encode"],
+            "--exporter otlp-encode needs opentelemetry-exporter-otlp-proto-common",
+        ),
     ],
 )
 def test_compare_without_its_packages_exits_2(monkeypatch, tmp_path, capsys, module, argv, message):
@@ -468,7 +484,10 @@ def test_early_eos_reports_the_real_count(capsys):
     # a token whose first occurrence is not the first position: generation stops right after it
     index = next(i for i in range(1, new - 1) if row[i] not in row[:i])
     expected = index + 1
-    assert run_cli("--new-tokens", str(new), "--warmup", "0", "--runs", "2", "--eos", str(row[index]), "--output", "-") == 0
+    assert (
+        run_cli("--new-tokens", str(new), "--warmup", "0", "--runs", "2", "--eos", str(row[index]), "--output", "-")
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert expected < new
     assert result["eos_token_id"] == [row[index]]
@@ -482,9 +501,7 @@ def test_batch_of_two_with_one_row_ending_early_counts_each_row():
     new = 12
     rows = no_eos_continuation(2, new)
     # a token produced by exactly one row: that row stops after it, the other runs to the end
-    candidates = [
-        (r, t) for r in (0, 1) for t in rows[r][: new - 1] if t not in rows[1 - r] and t != PAD_TOKEN_ID
-    ]
+    candidates = [(r, t) for r in (0, 1) for t in rows[r][: new - 1] if t not in rows[1 - r] and t != PAD_TOKEN_ID]
     assert candidates, rows
     row, token = candidates[0]
     expected = [new, new]
@@ -709,7 +726,9 @@ def test_compare_each_flush_exports_its_own_run_before_the_next_one():
     assert cmp["paired_ratios_with_deferred"] == [
         (b + t + m) / a
         for a, b, t, m in zip(
-            cmp["plain_elapsed_s"], cmp["instrumented_elapsed_s"], cmp["deferred_trace_flush_s"],
+            cmp["plain_elapsed_s"],
+            cmp["instrumented_elapsed_s"],
+            cmp["deferred_trace_flush_s"],
             cmp["deferred_metric_flush_s"],
         )
     ]
@@ -756,32 +775,50 @@ def test_otlp_encode_exporter_really_encodes_every_span_as_otlp_protobuf(monkeyp
     metric_names = {
         m.name
         for request in map(ExportMetricsServiceRequest.FromString, metric_payloads)
-        for rm in request.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+        for rm in request.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
     }
     assert {A.METRIC_REQUEST_DURATION, A.METRIC_TIME_TO_FIRST_TOKEN, A.METRIC_TOKEN_USAGE} <= metric_names
     assert f"{cmp['exported_bytes']:,} OTLP bytes encoded and discarded" in captured.err
 
 
 def test_max_step_spans_is_passed_to_the_instrumented_runs(capsys):
-    assert run_cli("--new-tokens", "4", "--runs", "2", "--warmup", "0", "--compare", "--max-step-spans", "1",
-                   "--output", "-") == 0
+    assert (
+        run_cli(
+            "--new-tokens", "4", "--runs", "2", "--warmup", "0", "--compare", "--max-step-spans", "1", "--output", "-"
+        )
+        == 0
+    )
     cmp = json.loads(capsys.readouterr().out)["compare"]
     assert cmp["max_step_spans"] == 1 and "max_step_spans=1" in cmp["instrumented"]
     assert cmp["spans_exported"] == cmp["spans_expected"] == 2 * (1 + 1)  # the request span and one step span
-    assert run_cli("--new-tokens", "4", "--runs", "1", "--warmup", "0", "--compare", "--max-step-spans", "0",
-                   "--output", "-") == 0
+    assert (
+        run_cli(
+            "--new-tokens", "4", "--runs", "1", "--warmup", "0", "--compare", "--max-step-spans", "0", "--output", "-"
+        )
+        == 0
+    )
     cmp = json.loads(capsys.readouterr().out)["compare"]
     assert cmp["spans_exported"] == cmp["spans_expected"] == 1
 
 
 def test_step_spans_and_background_emission_are_passed_to_the_instrumented_runs(capsys):
-    assert run_cli("--new-tokens", "4", "--runs", "2", "--warmup", "0", "--compare", "--step-spans", "none",
-                   "--output", "-") == 0
+    assert (
+        run_cli(
+            "--new-tokens", "4", "--runs", "2", "--warmup", "0", "--compare", "--step-spans", "none", "--output", "-"
+        )
+        == 0
+    )
     cmp = json.loads(capsys.readouterr().out)["compare"]
     assert cmp["step_spans"] == "none" and "step_spans='none'" in cmp["instrumented"]
     assert cmp["spans_exported"] == cmp["spans_expected"] == 2  # request spans only
-    assert run_cli("--new-tokens", "4", "--runs", "2", "--warmup", "0", "--compare", "--background-emission",
-                   "--output", "-") == 0
+    assert (
+        run_cli(
+            "--new-tokens", "4", "--runs", "2", "--warmup", "0", "--compare", "--background-emission", "--output", "-"
+        )
+        == 0
+    )
     cmp = json.loads(capsys.readouterr().out)["compare"]
     assert "background_emission=True" in cmp["instrumented"]
     # the flush after each call waited for the worker: every span arrived, and was charged to its call
@@ -810,7 +847,11 @@ def _env():
 def test_python_m_otel_generate_bench_writes_json_to_stdout():
     proc = subprocess.run(
         [sys.executable, "-m", "otel_generate", "bench", "--runs", "1", "--warmup", "0", "--output", "-"],
-        capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
@@ -824,7 +865,10 @@ def test_console_script_runs_and_exits_2_on_bad_input():
     assert script is not None, "the otel-generate console script is not installed (pip install -e .)"
     proc = subprocess.run(
         [script, "bench", "--runs", "1", "--warmup", "0", "--new-tokens", "2", "--output", "-"],
-        capture_output=True, text=True, env=_env(), timeout=300,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert [s["new_tokens"] for s in json.loads(proc.stdout)["samples"]] == [2]
@@ -884,9 +928,17 @@ def test_step_hook_microbenchmark_times_every_call_and_reports_paired_difference
 
 
 TINY_LLAMA = {
-    "model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32,
-    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    "model_type": "llama",
+    "vocab_size": 64,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 32,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
 }
 
 

@@ -29,8 +29,9 @@ def _continuous_batching_available():
     return not missing_features(continuous_api)
 
 
-needs_cb = pytest.mark.skipif(not _continuous_batching_available(),
-                              reason="this transformers has no instrumentable continuous batching")
+needs_cb = pytest.mark.skipif(
+    not _continuous_batching_available(), reason="this transformers has no instrumentable continuous batching"
+)
 
 
 def _scheduler_threads():
@@ -76,8 +77,24 @@ def test_waves_interleave_plain_and_instrumented_and_report_paired_numbers(monke
 @needs_cb
 def test_max_step_spans_zero_keeps_request_spans_only(capsys, tmp_path):
     out = tmp_path / "cb.json"
-    assert run_cli("--continuous-batching", "--requests", "2", "--new-tokens", "2", "--runs", "1", "--warmup", "0",
-                   "--max-step-spans", "0", "--output", str(out)) == 0
+    assert (
+        run_cli(
+            "--continuous-batching",
+            "--requests",
+            "2",
+            "--new-tokens",
+            "2",
+            "--runs",
+            "1",
+            "--warmup",
+            "0",
+            "--max-step-spans",
+            "0",
+            "--output",
+            str(out),
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     assert doc["compare"]["spans_exported"] == doc["compare"]["spans_expected"] == 2
     err = capsys.readouterr().err
@@ -88,8 +105,24 @@ def test_max_step_spans_zero_keeps_request_spans_only(capsys, tmp_path):
 @needs_cb
 def test_step_span_policy_none_is_passed_through(tmp_path):
     out = tmp_path / "cb.json"
-    assert run_cli("--continuous-batching", "--requests", "2", "--new-tokens", "2", "--runs", "1", "--warmup", "0",
-                   "--step-spans", "none", "--output", str(out)) == 0
+    assert (
+        run_cli(
+            "--continuous-batching",
+            "--requests",
+            "2",
+            "--new-tokens",
+            "2",
+            "--runs",
+            "1",
+            "--warmup",
+            "0",
+            "--step-spans",
+            "none",
+            "--output",
+            str(out),
+        )
+        == 0
+    )
     cmp = json.loads(out.read_text())["compare"]
     assert cmp["step_spans"] == "none" and cmp["spans_exported"] == cmp["spans_expected"] == 2
 

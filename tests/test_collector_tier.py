@@ -111,7 +111,7 @@ def _set_flags(service: dict) -> dict:
     flags = {}
     for arg in service.get("command") or []:
         if arg.startswith("--set="):
-            key, value = arg[len("--set="):].split("=", 1)
+            key, value = arg[len("--set=") :].split("=", 1)
             flags[key] = value
     return flags
 
@@ -244,7 +244,9 @@ def test_every_pipeline_names_defined_components(name):
 def test_every_defined_component_is_used(name):
     config = _load(CONFIGS[name])
     pipelines = _pipelines(config).values()
-    used = {kind: {c for p in pipelines for c in p.get(kind) or []} for kind in ("receivers", "processors", "exporters")}
+    used = {
+        kind: {c for p in pipelines for c in p.get(kind) or []} for kind in ("receivers", "processors", "exporters")
+    }
     for kind in ("receivers", "processors", "exporters"):
         unused = set(config.get(kind) or {}) - used[kind]
         assert not unused, f"{name}: {kind} defined but in no pipeline: {unused}"
@@ -270,9 +272,10 @@ def test_connectors_join_pipelines_of_one_signal(name):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_memory_limiter_is_first_where_data_enters_and_nowhere_after_a_fan_out(name):
     config = _load(CONFIGS[name])
-    assert config["processors"]["memory_limiter"]["limit_percentage"] > config["processors"]["memory_limiter"][
-        "spike_limit_percentage"
-    ]
+    assert (
+        config["processors"]["memory_limiter"]["limit_percentage"]
+        > config["processors"]["memory_limiter"]["spike_limit_percentage"]
+    )
     for pipeline_id, pipeline in _pipelines(config).items():
         processors = pipeline.get("processors") or []
         if _real(config, "receivers", pipeline["receivers"]):
@@ -362,7 +365,11 @@ def test_scale_profile_runs_one_agent_and_two_gateways_of_the_pinned_image(compo
 def test_default_services_and_the_app_profile_are_unchanged(compose):
     assert set(_started(compose)) == {"otel-collector", "jaeger"}
     assert set(_started(compose, "app")) == {"otel-collector", "jaeger", "app"}
-    assert set(_started(compose, "scale")) - set(_started(compose)) == {"otel-agent", "otel-gateway-1", "otel-gateway-2"}
+    assert set(_started(compose, "scale")) - set(_started(compose)) == {
+        "otel-agent",
+        "otel-gateway-1",
+        "otel-gateway-2",
+    }
     assert _mounted_config(compose["services"]["otel-collector"]) == SINGLE.resolve()
 
 
@@ -384,7 +391,9 @@ def test_gateways_export_to_jaeger_on_its_otlp_grpc_port(compose, gateway):
         assert host == "jaeger" and int(port) == jaeger_grpc, endpoint
         assert gateway["exporters"][name]["tls"]["insecure"] is True
     # both branches end in the same backend: a kept trace's request span and steps meet there
-    exported = {tuple(p["exporters"]) for p in _pipelines(gateway).values() if _real(gateway, "exporters", p["exporters"])}
+    exported = {
+        tuple(p["exporters"]) for p in _pipelines(gateway).values() if _real(gateway, "exporters", p["exporters"])
+    }
     assert exported == {tuple(endpoints)}
 
 
@@ -481,7 +490,10 @@ def test_step_span_filters_are_exact_complements_that_name_prefill_and_decode(ga
     (drop_steps,) = gateway["processors"][filters[unsampled]]["traces"]["span"]
     (keep_steps,) = gateway["processors"][filters[sampled]]["traces"]["span"]
     assert keep_steps == f"not ({drop_steps})"
-    assert set(re.findall(r'\bname == "([^"]+)"', drop_steps.replace("instrumentation_scope.name", "scope"))) == STEP_SPAN_NAMES
+    assert (
+        set(re.findall(r'\bname == "([^"]+)"', drop_steps.replace("instrumentation_scope.name", "scope")))
+        == STEP_SPAN_NAMES
+    )
     assert re.findall(r'instrumentation_scope\.name == "([^"]+)"', drop_steps) == [PACKAGE_SCOPE]
     for span, is_step in [
         (_span("prefill"), True),
@@ -500,7 +512,9 @@ def test_every_span_of_a_real_request_reaches_the_backend_exactly_once(
     """Request spans through the unsampled branch, step spans through the sampled one; a failed
     call's request span too; another library's span named ``decode`` is not a step span."""
     input_ids = torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(0))
-    gpt2.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    gpt2.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=4, min_new_tokens=4, do_sample=False
+    )
     with pytest.raises(ValueError):
         gpt2.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=-1)
     tracer_provider.get_tracer("another.library").start_span("decode").end()
@@ -523,7 +537,9 @@ def test_every_span_of_a_real_request_reaches_the_backend_exactly_once(
 def test_the_prefill_span_lasts_exactly_the_time_to_first_token(instrumented, span_exporter, metric_reader, gpt2):
     """What lets the slow-first-token policy read the duration instead of an attribute name."""
     input_ids = torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(1))
-    gpt2.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    gpt2.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=3, min_new_tokens=3, do_sample=False
+    )
     (prefill,) = [s for s in span_exporter.get_finished_spans() if s.name == A.STEP_SPAN_PREFILL]
     (request,) = [s for s in span_exporter.get_finished_spans() if s.name.startswith(A.OPERATION_TEXT_COMPLETION)]
     # the first step is timed from just after the request span starts, up to the first token

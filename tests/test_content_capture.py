@@ -14,18 +14,16 @@ import pytest
 import torch
 import transformers
 import wrapt
+from conftest import CHARS, char_tokenizer, prompt, request_spans, step_spans, uninstrumented_generate
 from opentelemetry.instrumentation.utils import unwrap
 from opentelemetry.sdk._logs import LoggerProvider
 from opentelemetry.sdk._logs.export import SimpleLogRecordProcessor
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.utils import GenerationMixin
 
-from otel_generate import GenerateInstrumentor
+from otel_generate import GenerateInstrumentor, content
 from otel_generate import attributes as A
-from otel_generate import content
 from otel_generate.bench.models import EOS_TOKEN_ID, PAD_TOKEN_ID, build_model
-
-from conftest import CHARS, char_tokenizer, prompt, request_spans, step_spans, uninstrumented_generate
 
 try:
     from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter as _InMemoryLogExporter
@@ -48,6 +46,8 @@ def hooked(owner, name):
         if function is None:
             return False
     return False
+
+
 FINISH_REASONS = {"stop", "length", "content_filter", "tool_call", "error"}  # gen-ai-output-messages.json
 
 
@@ -99,7 +99,8 @@ def plain(value):
 
 
 def chars_of(ids):
-    """Text of token ids under the char tokenizer, skipping PAD and EOS (what decode(skip_special_tokens=True) must give)."""
+    """Text of token ids under the char tokenizer, skipping PAD and EOS (what
+    decode(skip_special_tokens=True) must give)."""
     out = []
     for token in ids:
         token = int(token)
@@ -250,8 +251,14 @@ def test_event_only_emits_the_details_event_and_nothing_on_the_span(
     assert (event.trace_id, event.span_id) == (request.context.trace_id, request.context.span_id)
     assert event.timestamp == request.end_time
     attrs = event.attributes
-    for name in (A.GEN_AI_OPERATION_NAME, A.GEN_AI_PROVIDER_NAME, A.GEN_AI_REQUEST_MODEL, A.GEN_AI_USAGE_INPUT_TOKENS,
-                 A.GEN_AI_USAGE_OUTPUT_TOKENS, A.GEN_AI_REQUEST_MAX_TOKENS):
+    for name in (
+        A.GEN_AI_OPERATION_NAME,
+        A.GEN_AI_PROVIDER_NAME,
+        A.GEN_AI_REQUEST_MODEL,
+        A.GEN_AI_USAGE_INPUT_TOKENS,
+        A.GEN_AI_USAGE_OUTPUT_TOKENS,
+        A.GEN_AI_REQUEST_MAX_TOKENS,
+    ):
         assert attrs[name] == request.attributes[name], name
     assert tuple(attrs[A.GEN_AI_RESPONSE_FINISH_REASONS]) == request.attributes[A.GEN_AI_RESPONSE_FINISH_REASONS]
     inputs, outputs = plain(attrs[A.GEN_AI_INPUT_MESSAGES]), plain(attrs[A.GEN_AI_OUTPUT_MESSAGES])
@@ -289,8 +296,12 @@ def test_unsampled_request_still_emits_its_event(meter_provider, logger_provider
     processor_calls = []
     monkeypatch.setattr(generate_content.StepLogprobs, "__call__", lambda self, i, s: processor_calls.append(1) or s)
     instrumentor = GenerateInstrumentor()
-    instrumentor.instrument(tracer_provider=TracerProvider(sampler=ALWAYS_OFF), meter_provider=meter_provider,
-                            logger_provider=logger_provider, capture_step_logprobs=True)
+    instrumentor.instrument(
+        tracer_provider=TracerProvider(sampler=ALWAYS_OFF),
+        meter_provider=meter_provider,
+        logger_provider=logger_provider,
+        capture_step_logprobs=True,
+    )
     try:
         ids, mask = encode("abc")
         out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, tokenizer=char_tokenizer())
@@ -318,8 +329,9 @@ def test_true_and_false(instrument, span_exporter, log_exporter, gpt2, monkeypat
     assert events(log_exporter) == []
 
 
-def test_unparsable_value_warns_once_and_captures_nothing(instrument, span_exporter, log_exporter, gpt2, monkeypatch,
-                                                         caplog):
+def test_unparsable_value_warns_once_and_captures_nothing(
+    instrument, span_exporter, log_exporter, gpt2, monkeypatch, caplog
+):
     monkeypatch.setenv(content.ENV_CAPTURE_MESSAGE_CONTENT, "span-only-please")
     ids, mask = encode("abc")
     with caplog.at_level(logging.WARNING, logger="otel_generate"):
@@ -336,8 +348,9 @@ def test_unparsable_value_warns_once_and_captures_nothing(instrument, span_expor
     assert events(log_exporter) == []
 
 
-def test_keyword_wins_over_the_environment_and_is_validated(instrument, span_exporter, gpt2, monkeypatch,
-                                                           tracer_provider):
+def test_keyword_wins_over_the_environment_and_is_validated(
+    instrument, span_exporter, gpt2, monkeypatch, tracer_provider
+):
     monkeypatch.setenv(content.ENV_CAPTURE_MESSAGE_CONTENT, "SPAN_ONLY")
     ids, mask = encode("abc")
     instrumentor = instrument(capture_message_content=False)
@@ -455,8 +468,9 @@ def test_num_return_sequences_gives_one_output_message_each(instrument, span_exp
     results = text_pipeline(gpt2)("abcd", max_new_tokens=6, do_sample=True, num_return_sequences=2)
     ids, mask = encode("abcd")
     torch.manual_seed(4)
-    out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, num_return_sequences=2,
-                        tokenizer=char_tokenizer())
+    out = gpt2.generate(
+        ids, attention_mask=mask, max_new_tokens=6, do_sample=True, num_return_sequences=2, tokenizer=char_tokenizer()
+    )
     piped, direct = sorted(request_spans(span_exporter), key=lambda s: s.start_time)
     inputs, outputs = span_messages(piped)
     assert texts(inputs) == ["abcd"]
@@ -484,8 +498,15 @@ def test_stopped_rows_have_stop_and_full_rows_length(instrument, span_exporter, 
             return scores
 
     ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
-    out = gpt2.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=z,
-                        logits_processor=LogitsProcessorList([EosForRow0()]), tokenizer=char_tokenizer())
+    out = gpt2.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=5,
+        do_sample=False,
+        pad_token_id=z,
+        logits_processor=LogitsProcessorList([EosForRow0()]),
+        tokenizer=char_tokenizer(),
+    )
     assert out[0, 5].item() == EOS_TOKEN_ID and out[0, 6:].tolist() == [z, z]  # padding after the end
     (request,) = request_spans(span_exporter)
     outputs = span_messages(request)[1]
@@ -504,15 +525,21 @@ def test_failed_request_keeps_its_prompt(instrument, span_exporter, gpt2, monkey
 
     ids, mask = encode("abc")
     with pytest.raises(RuntimeError, match="boom"):
-        gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, logits_processor=LogitsProcessorList([Boom()]),
-                      tokenizer=char_tokenizer())
+        gpt2.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=3,
+            logits_processor=LogitsProcessorList([Boom()]),
+            tokenizer=char_tokenizer(),
+        )
     (request,) = request_spans(span_exporter)
     inputs, outputs = span_messages(request)
     assert texts(inputs) == ["abc"] and outputs is None
 
 
-def test_a_failing_tokenizer_is_logged_once_and_generation_goes_on(instrument, span_exporter, gpt2, monkeypatch,
-                                                                   caplog):
+def test_a_failing_tokenizer_is_logged_once_and_generation_goes_on(
+    instrument, span_exporter, gpt2, monkeypatch, caplog
+):
     from otel_generate import _faults
 
     monkeypatch.setenv(content.ENV_CAPTURE_MESSAGE_CONTENT, "SPAN_ONLY")
@@ -545,7 +572,10 @@ def test_a_failing_tokenizer_is_logged_once_and_generation_goes_on(instrument, s
 def expected_logprobs(out, prompt_length):
     """log_softmax of each step's processed scores, at the token each returned row got at that step."""
     return [
-        torch.log_softmax(scores.float(), dim=-1).gather(-1, out.sequences[:, prompt_length + i, None]).squeeze(-1).tolist()
+        torch.log_softmax(scores.float(), dim=-1)
+        .gather(-1, out.sequences[:, prompt_length + i, None])
+        .squeeze(-1)
+        .tolist()
         for i, scores in enumerate(out.scores)
     ]
 
@@ -567,9 +597,18 @@ def test_step_token_ids_and_logprobs(instrument, span_exporter, gpt2, sampling, 
     instrument(capture_step_logprobs=True)
     ids, mask = prompt(batch=2, length=4, seed=42)
     torch.manual_seed(5)
-    extra = dict(do_sample=True, top_k=7, temperature=0.7, num_return_sequences=2) if sampling else dict(do_sample=False)
-    out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None, output_scores=True,
-                        return_dict_in_generate=True, **extra)
+    extra = (
+        dict(do_sample=True, top_k=7, temperature=0.7, num_return_sequences=2) if sampling else dict(do_sample=False)
+    )
+    out = gpt2.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        eos_token_id=None,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **extra,
+    )
     (request,) = request_spans(span_exporter)
     steps = step_spans(span_exporter, request)
     assert len(steps) == 6 == len(out.scores)
@@ -606,8 +645,15 @@ def test_step_logprobs_of_rows_stopped_early_and_encoder_decoder(instrument, spa
     are the tensor's, the finished row's padding included, with that padding's log-probability."""
     instrument(capture_step_logprobs=True)
     ids, mask = prompt(batch=2, length=5, seed=43)
-    out = t5.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, output_scores=True,
-                      return_dict_in_generate=True, logits_processor=LogitsProcessorList([EndRow0At(1, 1)]))
+    out = t5.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=5,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        logits_processor=LogitsProcessorList([EndRow0At(1, 1)]),
+    )
     assert out.sequences[0, 2].item() == EOS_TOKEN_ID and out.sequences[0, 3:].tolist() == [PAD_TOKEN_ID] * 3
     (request,) = request_spans(span_exporter)
     steps = step_spans(span_exporter, request)
@@ -634,8 +680,15 @@ def test_token_ids_only_and_strategies_without_logprobs(instrument, span_exporte
 
     # beam search: ids of the returned beams, no log-probabilities (beams are re-ranked after scoring)
     instrument(capture_step_logprobs=True)
-    beams = gpt2.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=None, num_beams=3,
-                          num_return_sequences=2, do_sample=False)
+    beams = gpt2.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=4,
+        eos_token_id=None,
+        num_beams=3,
+        num_return_sequences=2,
+        do_sample=False,
+    )
     (request,) = request_spans(span_exporter)
     steps = step_spans(span_exporter, request)
     assert len(steps) == 4
@@ -725,10 +778,20 @@ class ForeignPipelineInstrumentation:
 PIPELINE_CASES = [
     pytest.param("text-generation", "gpt2", "TextGenerationPipeline", id="text-generation-gpt2"),
     pytest.param("text-generation", "llama", "TextGenerationPipeline", id="text-generation-llama"),
-    pytest.param("text2text-generation", "t5", "Text2TextGenerationPipeline", id="text2text-generation-t5",
-                 marks=pytest.mark.skipif(not HAS_TEXT2TEXT, reason="transformers 5 removed this pipeline task")),
-    pytest.param("summarization", "t5", "SummarizationPipeline", id="summarization-t5",
-                 marks=pytest.mark.skipif(not HAS_TEXT2TEXT, reason="transformers 5 removed this pipeline task")),
+    pytest.param(
+        "text2text-generation",
+        "t5",
+        "Text2TextGenerationPipeline",
+        id="text2text-generation-t5",
+        marks=pytest.mark.skipif(not HAS_TEXT2TEXT, reason="transformers 5 removed this pipeline task"),
+    ),
+    pytest.param(
+        "summarization",
+        "t5",
+        "SummarizationPipeline",
+        id="summarization-t5",
+        marks=pytest.mark.skipif(not HAS_TEXT2TEXT, reason="transformers 5 removed this pipeline task"),
+    ),
 ]
 
 
@@ -774,7 +837,8 @@ def test_llama_pipeline_with_a_chat_template_and_bounded_length(instrument, span
     llama = build_model("llama", seed=1)
     result = transformers.pipeline("text-generation", model=llama, tokenizer=tokenizer)(
         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "ok"}],
-        max_new_tokens=3, do_sample=False,
+        max_new_tokens=3,
+        do_sample=False,
     )
     (request,) = request_spans(span_exporter)
     inputs, outputs = span_messages(request)

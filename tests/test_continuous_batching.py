@@ -17,19 +17,17 @@ import threading
 
 import pytest
 import torch
+from conftest import request_spans, step_spans
 from opentelemetry import trace
 from opentelemetry.instrumentation.utils import suppress_instrumentation
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+from test_metrics_and_apis import by_token_type, histograms
 
 from otel_generate import GenerateInstrumentor
 from otel_generate import attributes as A
-
-from conftest import request_spans, step_spans
-from test_metrics_and_apis import by_token_type, histograms
 
 capi = pytest.importorskip(
     "transformers.generation.continuous_batching.continuous_api",
@@ -57,8 +55,9 @@ def greedy(max_new_tokens=6, **kwargs):
 def plain_generate_batch(model, inputs, generation_config, **kwargs):
     """``generate_batch`` with this package's hooks suppressed: what the user gets uninstrumented."""
     with suppress_instrumentation():
-        outputs = model.generate_batch(inputs=inputs, generation_config=generation_config,
-                                       continuous_batching_config=small_config(**kwargs))
+        outputs = model.generate_batch(
+            inputs=inputs, generation_config=generation_config, continuous_batching_config=small_config(**kwargs)
+        )
     return {rid: list(out.generated_tokens) for rid, out in outputs.items()}
 
 
@@ -86,8 +85,9 @@ def test_generate_batch_gives_one_request_span_per_request_under_the_application
     plain = plain_generate_batch(llama, PROMPTS, greedy())
     tracer = tracer_provider.get_tracer("app")
     with tracer.start_as_current_span("app") as app:
-        outputs = llama.generate_batch(inputs=PROMPTS, generation_config=greedy(),
-                                       continuous_batching_config=small_config())
+        outputs = llama.generate_batch(
+            inputs=PROMPTS, generation_config=greedy(), continuous_batching_config=small_config()
+        )
     tracer_provider.force_flush()
 
     assert {rid: list(out.generated_tokens) for rid, out in outputs.items()} == plain  # outputs unchanged
@@ -124,7 +124,9 @@ def test_generate_batch_gives_one_request_span_per_request_under_the_application
             assert earlier.end_time <= later.start_time
         assert span.start_time <= steps[0].start_time and steps[-1].end_time <= span.end_time
         for step in steps:
-            assert step.attributes[A.GENERATE_STEP_LATENCY] == pytest.approx((step.end_time - step.start_time) / 1e9, abs=2e-9)
+            assert step.attributes[A.GENERATE_STEP_LATENCY] == pytest.approx(
+                (step.end_time - step.start_time) / 1e9, abs=2e-9
+            )
 
     # generate.step.requests: a step shared by both requests is the same batch step in both: the same end
     # (the start of a request's first step is never before its submission)
@@ -138,8 +140,12 @@ def test_generate_batch_gives_one_request_span_per_request_under_the_application
 
     # metrics: the GenAI histograms once per request, recorded as generate() records them
     points = histograms(metric_reader)
-    for name in (A.METRIC_TIME_TO_FIRST_TOKEN, A.METRIC_TIME_PER_OUTPUT_TOKEN, A.METRIC_REQUEST_DURATION,
-                 A.METRIC_CLIENT_OPERATION_DURATION):
+    for name in (
+        A.METRIC_TIME_TO_FIRST_TOKEN,
+        A.METRIC_TIME_PER_OUTPUT_TOKEN,
+        A.METRIC_REQUEST_DURATION,
+        A.METRIC_CLIENT_OPERATION_DURATION,
+    ):
         assert sum(p.count for p in points[name]) == 2, name
     ttfts = sorted(by_id[rid].attributes[A.GENERATE_TIME_TO_FIRST_TOKEN] for rid in outputs)
     assert sum(p.sum for p in points[A.METRIC_TIME_TO_FIRST_TOKEN]) == pytest.approx(sum(ttfts))
@@ -169,8 +175,9 @@ def test_eos_gives_stop_for_that_request_only(instrumented, tracer_provider, spa
 
 def test_chunked_prefill_gives_one_prefill_span_per_chunk(instrumented, tracer_provider, span_exporter, llama):
     plain = plain_generate_batch(llama, PROMPTS, greedy(), max_batch_tokens=4)
-    outputs = llama.generate_batch(inputs=PROMPTS, generation_config=greedy(),
-                                   continuous_batching_config=small_config(max_batch_tokens=4))
+    outputs = llama.generate_batch(
+        inputs=PROMPTS, generation_config=greedy(), continuous_batching_config=small_config(max_batch_tokens=4)
+    )
     tracer_provider.force_flush()
     assert {rid: list(out.generated_tokens) for rid, out in outputs.items()} == plain
     by_id = spans_by_id(span_exporter)
@@ -181,18 +188,23 @@ def test_chunked_prefill_gives_one_prefill_span_per_chunk(instrumented, tracer_p
     assert first_token >= 1  # 5 prompt tokens in batches of at most 4: at least two prefill chunks
     assert tokens[:first_token] == [0] * first_token  # the chunks before the last produced no token
     assert [s.name for s in steps] == ["prefill"] * (first_token + 1) + ["decode"] * (len(steps) - first_token - 1)
-    assert sum(tokens) == len(outputs[long_prompt].generated_tokens) == by_id[long_prompt].attributes[
-        A.GEN_AI_USAGE_OUTPUT_TOKENS]
+    assert (
+        sum(tokens)
+        == len(outputs[long_prompt].generated_tokens)
+        == by_id[long_prompt].attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS]
+    )
     assert by_id[long_prompt].attributes[A.GENERATE_TIME_TO_FIRST_TOKEN] == pytest.approx(
-        (steps[first_token].end_time - by_id[long_prompt].start_time) / 1e9, abs=2e-6)
+        (steps[first_token].end_time - by_id[long_prompt].start_time) / 1e9, abs=2e-6
+    )
 
 
 def test_step_span_cap_applies_per_request(tracer_provider, span_exporter, meter_provider, llama):
     instrumentor = GenerateInstrumentor()
     instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider, max_step_spans=2)
     try:
-        outputs = llama.generate_batch(inputs=PROMPTS, generation_config=greedy(),
-                                       continuous_batching_config=small_config())
+        outputs = llama.generate_batch(
+            inputs=PROMPTS, generation_config=greedy(), continuous_batching_config=small_config()
+        )
         tracer_provider.force_flush()
     finally:
         instrumentor.uninstrument()
@@ -206,10 +218,18 @@ def test_step_span_cap_applies_per_request(tracer_provider, span_exporter, meter
 def test_num_return_sequences_is_one_request_with_one_count_per_sequence(
     instrumented, tracer_provider, span_exporter, llama
 ):
-    config = GenerationConfig(max_new_tokens=4, eos_token_id=None, do_sample=True, num_return_sequences=2,
-                              temperature=0.7, top_k=20, top_p=0.9)
-    outputs = llama.generate_batch(inputs=[[5, 6, 7, 8]], generation_config=config,
-                                   continuous_batching_config=small_config())
+    config = GenerationConfig(
+        max_new_tokens=4,
+        eos_token_id=None,
+        do_sample=True,
+        num_return_sequences=2,
+        temperature=0.7,
+        top_k=20,
+        top_p=0.9,
+    )
+    outputs = llama.generate_batch(
+        inputs=[[5, 6, 7, 8]], generation_config=config, continuous_batching_config=small_config()
+    )
     tracer_provider.force_flush()
     assert set(outputs) == {"req_0", "req_0__child#0"}
     (span,) = request_spans(span_exporter)
@@ -221,7 +241,10 @@ def test_num_return_sequences_is_one_request_with_one_count_per_sequence(
     assert attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] == ("length", "length")
     assert attrs[A.GENERATE_STRATEGY] == A.STRATEGY_SAMPLE
     assert (attrs[A.GEN_AI_REQUEST_TEMPERATURE], attrs[A.GEN_AI_REQUEST_TOP_K], attrs[A.GEN_AI_REQUEST_TOP_P]) == (
-        pytest.approx(0.7), 20.0, pytest.approx(0.9))
+        pytest.approx(0.7),
+        20.0,
+        pytest.approx(0.9),
+    )
     steps = step_spans(span_exporter, span)
     # both sequences decode in the same batch steps: one step span per token of a sequence
     assert sum(s.attributes[A.GENERATE_STEP_TOKENS] for s in steps) == 4
@@ -283,8 +306,9 @@ def test_context_manager_streaming_request(instrumented, tracer_provider, span_e
     tracer = tracer_provider.get_tracer("app")
     chunks = []
     with tracer.start_as_current_span("app") as app:
-        with llama.continuous_batching_context_manager(generation_config=greedy(),
-                                                       continuous_batching_config=small_config()) as manager:
+        with llama.continuous_batching_context_manager(
+            generation_config=greedy(), continuous_batching_config=small_config()
+        ) as manager:
             request_id = manager.add_request([5, 6, 7], max_new_tokens=4, streaming=True)
             for output in manager.request_id_iter(request_id):
                 chunks.append(len(output.generated_tokens))
@@ -326,7 +350,9 @@ def test_paged_generate_is_one_complete_request_span(instrumented, tracer_provid
     kwargs = dict(max_new_tokens=6, eos_token_id=None, do_sample=False)
     with suppress_instrumentation():
         expected = type(llama).generate(llama, ids, attention_mask=torch.ones_like(ids), **kwargs)  # plain generate()
-        plain_paged = llama.generate(ids, cache_implementation="paged", continuous_batching_config=small_config(), **kwargs)
+        plain_paged = llama.generate(
+            ids, cache_implementation="paged", continuous_batching_config=small_config(), **kwargs
+        )
     tracer = tracer_provider.get_tracer("app")
     with tracer.start_as_current_span("app") as app:
         output = llama.generate(ids, cache_implementation="paged", continuous_batching_config=small_config(), **kwargs)
@@ -363,8 +389,9 @@ def test_unsampled_requests_do_no_per_step_work(span_exporter, meter_provider, m
     instrumentor = GenerateInstrumentor()
     instrumentor.instrument(tracer_provider=provider, meter_provider=meter_provider)
     try:
-        outputs = llama.generate_batch(inputs=PROMPTS, generation_config=greedy(),
-                                       continuous_batching_config=small_config())
+        outputs = llama.generate_batch(
+            inputs=PROMPTS, generation_config=greedy(), continuous_batching_config=small_config()
+        )
         provider.force_flush()
     finally:
         instrumentor.uninstrument()
@@ -373,7 +400,8 @@ def test_unsampled_requests_do_no_per_step_work(span_exporter, meter_provider, m
     points = histograms(metric_reader)
     assert sum(p.count for p in points[A.METRIC_REQUEST_DURATION]) == 2  # request-level metrics still recorded
     assert sum(p.sum for p in by_token_type(points[A.METRIC_TOKEN_USAGE], "output")) == sum(
-        len(o.generated_tokens) for o in outputs.values())
+        len(o.generated_tokens) for o in outputs.values()
+    )
     assert A.METRIC_TIME_TO_FIRST_TOKEN not in points  # no step was timed
 
 
@@ -413,8 +441,9 @@ def test_unsampled_request_next_to_a_sampled_one(span_exporter, meter_provider, 
     assert not untimed.timed and untimed.step_ends_ns == [] and untimed.output_tokens == 6
 
 
-def test_a_fault_for_one_request_loses_no_other_span(instrumented, tracer_provider, span_exporter, llama,
-                                                     monkeypatch, caplog):
+def test_a_fault_for_one_request_loses_no_other_span(
+    instrumented, tracer_provider, span_exporter, llama, monkeypatch, caplog
+):
     plain = plain_generate_batch(llama, PROMPTS, greedy())
     original = CB._finish_reason
 
@@ -425,8 +454,9 @@ def test_a_fault_for_one_request_loses_no_other_span(instrumented, tracer_provid
 
     monkeypatch.setattr(CB, "_finish_reason", failing)
     with caplog.at_level(logging.WARNING, logger="otel_generate"):
-        outputs = llama.generate_batch(inputs=PROMPTS, generation_config=greedy(),
-                                       continuous_batching_config=small_config())
+        outputs = llama.generate_batch(
+            inputs=PROMPTS, generation_config=greedy(), continuous_batching_config=small_config()
+        )
         tracer_provider.force_flush()
     assert {rid: list(out.generated_tokens) for rid, out in outputs.items()} == plain
     by_id = spans_by_id(span_exporter)
@@ -437,8 +467,9 @@ def test_a_fault_for_one_request_loses_no_other_span(instrumented, tracer_provid
     assert healthy[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 6 and len(step_spans(span_exporter, by_id["req_1"])) == 6
 
 
-def test_a_fault_on_the_scheduler_thread_never_stops_it(instrumented, tracer_provider, span_exporter, llama,
-                                                        monkeypatch):
+def test_a_fault_on_the_scheduler_thread_never_stops_it(
+    instrumented, tracer_provider, span_exporter, llama, monkeypatch
+):
     plain = plain_generate_batch(llama, PROMPTS, greedy())
     calls = []
 
@@ -447,8 +478,9 @@ def test_a_fault_on_the_scheduler_thread_never_stops_it(instrumented, tracer_pro
         raise RuntimeError("injected step-log fault")
 
     monkeypatch.setattr(CB, "_log_step", failing)
-    outputs = llama.generate_batch(inputs=PROMPTS, generation_config=greedy(),
-                                   continuous_batching_config=small_config())
+    outputs = llama.generate_batch(
+        inputs=PROMPTS, generation_config=greedy(), continuous_batching_config=small_config()
+    )
     tracer_provider.force_flush()
     assert calls  # the fault happened on every batch step ...
     assert {rid: list(out.generated_tokens) for rid, out in outputs.items()} == plain  # ... and generation went on
@@ -503,8 +535,9 @@ def test_token_latency_profiler_gets_continuous_batching_requests(llama):
     from otel_generate import TokenLatencyProfiler
 
     with TokenLatencyProfiler() as profiler:
-        outputs = llama.generate_batch(inputs=PROMPTS, generation_config=greedy(),
-                                       continuous_batching_config=small_config())
+        outputs = llama.generate_batch(
+            inputs=PROMPTS, generation_config=greedy(), continuous_batching_config=small_config()
+        )
     assert not GenerateInstrumentor().is_instrumented_by_opentelemetry  # the profiler turned it on, then off
     records = sorted(profiler.records, key=lambda r: r.input_tokens)
     assert [r.input_tokens for r in records] == sorted(len(o.prompt_ids) for o in outputs.values())

@@ -11,8 +11,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import console_spans
+
 from otel_generate import attributes as A
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -36,14 +36,15 @@ def test_readme_minimal_sdk_example_prints_its_span_tree(tmp_path):
     script = tmp_path / "example.py"
     script.write_text(code)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}  # as a new user's shell
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                          cwd=str(tmp_path), env=env)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=str(tmp_path), env=env
+    )
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
 
     # What the script itself says it generated: the prompt in its source, the continuation it printed.
     prompt = ast.literal_eval(re.search(r"input_ids = torch\.tensor\((\[\[.*?\]\])\)", code).group(1))
-    line = next(l for l in done.stdout.splitlines() if l.startswith("continuation tokens:"))
+    line = next(row for row in done.stdout.splitlines() if row.startswith("continuation tokens:"))
     continuation = ast.literal_eval(line.split(":", 1)[1].strip())
     assert 1 <= len(continuation) <= 8  # max_new_tokens=8; EOS (127) may stop it earlier
     assert all(isinstance(t, int) for t in continuation)
@@ -137,4 +138,5 @@ def test_ci_runs_the_readmes_test_command():
     assert command == "python -m pytest"
     ci = [line.split("#", 1)[0] for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert any(re.search(rf"(^|[\s(&;]){re.escape(command)}(\s|\"|$)", line) for line in ci), (
-        f".ci/run does not run {command!r}")
+        f".ci/run does not run {command!r}"
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from conftest import prompt, request_spans, step_spans
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -13,8 +14,6 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Decision, ParentBased, S
 from otel_generate import GenerateInstrumentor
 from otel_generate import attributes as A
 from otel_generate.fast_spans import FastStepSpans
-
-from conftest import prompt, request_spans, step_spans
 
 
 def provider_with(*processors, **kwargs):
@@ -42,12 +41,23 @@ def run(provider, model, fast, monkeypatch=None, **options):
 def described(span):
     """Everything an exporter reads off a step span, relative to its request span."""
     return dict(
-        name=span.name, kind=span.kind, attributes=dict(span.attributes), dropped=span.dropped_attributes,
-        duration=span.end_time - span.start_time, events=tuple(span.events), links=tuple(span.links),
-        status=(span.status.status_code, span.status.description), sampled=span.context.trace_flags.sampled,
-        flags=int(span.context.trace_flags), remote=span.context.is_remote, resource=dict(span.resource.attributes),
-        scope=(span.instrumentation_scope.name, span.instrumentation_scope.version,
-               span.instrumentation_scope.schema_url),
+        name=span.name,
+        kind=span.kind,
+        attributes=dict(span.attributes),
+        dropped=span.dropped_attributes,
+        duration=span.end_time - span.start_time,
+        events=tuple(span.events),
+        links=tuple(span.links),
+        status=(span.status.status_code, span.status.description),
+        sampled=span.context.trace_flags.sampled,
+        flags=int(span.context.trace_flags),
+        remote=span.context.is_remote,
+        resource=dict(span.resource.attributes),
+        scope=(
+            span.instrumentation_scope.name,
+            span.instrumentation_scope.version,
+            span.instrumentation_scope.schema_url,
+        ),
     )
 
 
@@ -91,8 +101,9 @@ def test_a_processor_of_another_kind_takes_the_public_path(gpt2):
 
 def test_a_custom_sampler_decides_every_step_span(gpt2):
     class NoDecodeSpans(Sampler):
-        def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
-                          trace_state=None):
+        def should_sample(
+            self, parent_context, trace_id, name, kind=None, attributes=None, links=None, trace_state=None
+        ):
             decision = Decision.DROP if name == A.STEP_SPAN_DECODE else Decision.RECORD_AND_SAMPLE
             extra = {**(attributes or {}), "sampler.saw": name} if decision.is_sampled() else None
             return SamplingResult(decision, extra)
@@ -103,7 +114,13 @@ def test_a_custom_sampler_decides_every_step_span(gpt2):
     exporters = []
     for fast in (True, False):
         exporter = InMemorySpanExporter()
-        assert run(provider_with(SimpleSpanProcessor(exporter), sampler=ParentBased(ALWAYS_ON, local_parent_sampled=NoDecodeSpans())), gpt2, fast)
+        assert run(
+            provider_with(
+                SimpleSpanProcessor(exporter), sampler=ParentBased(ALWAYS_ON, local_parent_sampled=NoDecodeSpans())
+            ),
+            gpt2,
+            fast,
+        )
         exporters.append(exporter)
     for exporter in exporters:
         (request,) = request_spans(exporter)

@@ -17,13 +17,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import request_spans, step_spans
 from opentelemetry.instrumentation.flask import FlaskInstrumentor
 from opentelemetry.trace import SpanKind
 from werkzeug.serving import make_server
 
 from otel_generate import attributes as A
-
-from conftest import request_spans, step_spans
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flask_app.py"
 

@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 import transformers
+from conftest import prompt, request_spans, step_spans, uninstrumented_generate
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.instrumentation.utils import suppress_instrumentation
@@ -21,8 +22,6 @@ from otel_generate import GenerateInstrumentor
 from otel_generate import attributes as A
 from otel_generate.bench.models import EOS_TOKEN_ID, PAD_TOKEN_ID
 from otel_generate.tokens import count_new_tokens
-
-from conftest import prompt, request_spans, step_spans, uninstrumented_generate
 
 
 class CountCalls(StoppingCriteria):
@@ -136,8 +135,13 @@ def test_left_padded_batch_with_early_eos(instrumented, span_exporter, gpt2):
     mask[0, :3] = 0
     force = ForceAt(prompt_length=6, row=0, at=2)  # row 0's third token is EOS
     out = gpt2.generate(
-        ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
-        logits_processor=LogitsProcessorList([force]), pad_token_id=PAD_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=10,
+        do_sample=False,
+        logits_processor=LogitsProcessorList([force]),
+        pad_token_id=PAD_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
     )
     continuation = out[:, 6:]
     assert continuation[0, 2].item() == EOS_TOKEN_ID and (continuation[0, 3:] == PAD_TOKEN_ID).all()
@@ -278,8 +282,9 @@ def test_instrument_twice_then_uninstrument(tracer_provider, span_exporter, gpt2
 
 def test_sampling_same_tokens_with_same_seed(instrumented, span_exporter, gpt2):
     ids, mask = prompt(batch=2, length=5, seed=7)
-    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=True, temperature=0.7, top_p=0.9, top_k=20,
-                  eos_token_id=None)
+    kwargs = dict(
+        attention_mask=mask, max_new_tokens=10, do_sample=True, temperature=0.7, top_p=0.9, top_k=20, eos_token_id=None
+    )
     torch.manual_seed(123)
     expected = uninstrumented_generate(gpt2, ids, **kwargs)
     torch.manual_seed(123)
@@ -295,8 +300,9 @@ def test_sampling_same_tokens_with_same_seed(instrumented, span_exporter, gpt2):
 
 def test_beam_sample_and_num_return_sequences(instrumented, span_exporter, gpt2):
     ids, mask = prompt(length=4, seed=8)
-    kwargs = dict(attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=True, num_return_sequences=3,
-                  eos_token_id=None)
+    kwargs = dict(
+        attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=True, num_return_sequences=3, eos_token_id=None
+    )
     torch.manual_seed(5)
     expected = uninstrumented_generate(gpt2, ids, **kwargs)
     torch.manual_seed(5)
@@ -338,8 +344,9 @@ def test_llama_left_padded_batch_same_output(instrumented, span_exporter, llama)
 
 def test_return_dict_with_scores_unchanged(instrumented, span_exporter, gpt2):
     ids, mask = prompt(length=4, seed=11)
-    kwargs = dict(attention_mask=mask, max_new_tokens=5, return_dict_in_generate=True, output_scores=True,
-                  eos_token_id=None)
+    kwargs = dict(
+        attention_mask=mask, max_new_tokens=5, return_dict_in_generate=True, output_scores=True, eos_token_id=None
+    )
     expected = uninstrumented_generate(gpt2, ids, **kwargs)
     out = gpt2.generate(ids, **kwargs)
     assert type(out) is type(expected)
@@ -356,12 +363,19 @@ def test_user_criterion_stopping_one_row_keeps_stopping_only_that_row(instrument
             return scores * 2
 
     ids, mask = prompt(batch=2, length=4, seed=12)
-    kwargs = dict(attention_mask=mask, max_new_tokens=8, pad_token_id=PAD_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
-                  logits_processor=LogitsProcessorList([Double()]))
-    expected = uninstrumented_generate(gpt2, ids, stopping_criteria=StoppingCriteriaList([StopRowAfter(4, 3)]), **kwargs)
+    kwargs = dict(
+        attention_mask=mask,
+        max_new_tokens=8,
+        pad_token_id=PAD_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+        logits_processor=LogitsProcessorList([Double()]),
+    )
+    expected = uninstrumented_generate(
+        gpt2, ids, stopping_criteria=StoppingCriteriaList([StopRowAfter(4, 3)]), **kwargs
+    )
     out = gpt2.generate(ids, stopping_criteria=StoppingCriteriaList([StopRowAfter(4, 3)]), **kwargs)
     assert torch.equal(out, expected)
-    assert (out[0, 4 + 3:] == PAD_TOKEN_ID).all() and out.shape[-1] == 12  # row 1 ran on
+    assert (out[0, 4 + 3 :] == PAD_TOKEN_ID).all() and out.shape[-1] == 12  # row 1 ran on
     attrs = only_request(span_exporter).attributes
     reference = count_new_tokens(out, 4, EOS_TOKEN_ID, PAD_TOKEN_ID)
     assert attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == sum(reference)
@@ -375,8 +389,13 @@ def test_text_streamer(instrumented, span_exporter, gpt2, capsys):
 
     ids, mask = prompt(seed=13)
     expected = uninstrumented_generate(gpt2, ids, attention_mask=mask, max_new_tokens=4, eos_token_id=None)
-    out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=None,
-                        streamer=transformers.TextStreamer(Tokenizer(), skip_prompt=True))
+    out = gpt2.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=4,
+        eos_token_id=None,
+        streamer=transformers.TextStreamer(Tokenizer(), skip_prompt=True),
+    )
     assert torch.equal(out, expected)
     printed = capsys.readouterr().out.split()
     assert printed == [f"t{t}" for t in out[0, 4:].tolist()]
@@ -399,8 +418,10 @@ def test_text_iterator_streamer_worker_keeps_callers_trace(instrumented, span_ex
         ctx = contextvars.copy_context()
         worker = threading.Thread(
             target=lambda: results.setdefault(
-                "out", ctx.run(gpt2.generate, ids, attention_mask=mask, max_new_tokens=5, eos_token_id=None,
-                               streamer=streamer)
+                "out",
+                ctx.run(
+                    gpt2.generate, ids, attention_mask=mask, max_new_tokens=5, eos_token_id=None, streamer=streamer
+                ),
             )
         )
         worker.start()
@@ -432,14 +453,19 @@ def test_assistant_model_generate_is_not_a_request_of_its_own(instrumented, span
 
     assistant = build_model("gpt2", seed=1)
     ids, mask = prompt(seed=15)
-    expected = uninstrumented_generate(gpt2, ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None,
-                                       assistant_model=assistant)
+    expected = uninstrumented_generate(
+        gpt2, ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None, assistant_model=assistant
+    )
     out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None, assistant_model=assistant)
     assert torch.equal(out, expected)
     request = only_request(span_exporter)
     steps = step_spans(span_exporter, request)
     assert request.attributes[A.GENERATE_STRATEGY] == "assisted"
-    assert sum(s.attributes[A.GENERATE_STEP_TOKENS] for s in steps) == 6 == request.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS]
+    assert (
+        sum(s.attributes[A.GENERATE_STEP_TOKENS] for s in steps)
+        == 6
+        == request.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS]
+    )
     assert len(step_spans(span_exporter)) == len(steps)
 
 
@@ -449,8 +475,9 @@ def test_pipeline_gives_one_request_span(instrumented, span_exporter, gpt2):
     vocab = {f"w{i}": i for i in range(gpt2.config.vocab_size)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w1", pad_token="w0",
-                                                     eos_token=f"w{EOS_TOKEN_ID}")
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="w1", pad_token="w0", eos_token=f"w{EOS_TOKEN_ID}"
+    )
     pipe = transformers.pipeline("text-generation", model=gpt2, tokenizer=tokenizer)
     pipe("w5 w6 w7", max_new_tokens=4, do_sample=False, eos_token_id=None)
     request = only_request(span_exporter)
@@ -540,7 +567,9 @@ def test_synchronize_can_be_switched_off(span_exporter, tracer_provider, gpt2, m
     assert only_request(span_exporter).attributes[A.GENERATE_SYNCHRONIZED] is False
 
 
-def test_fault_in_step_hook_is_logged_once_and_generation_goes_on(instrumented, span_exporter, gpt2, monkeypatch, caplog):
+def test_fault_in_step_hook_is_logged_once_and_generation_goes_on(
+    instrumented, span_exporter, gpt2, monkeypatch, caplog
+):
     from otel_generate import _faults, clock
 
     ids, mask = prompt(seed=16)
@@ -580,7 +609,11 @@ def test_unknown_option_is_a_type_error(tracer_provider):
 def test_entry_point_is_declared():
     from importlib.metadata import entry_points
 
-    found = [ep for ep in entry_points(group="opentelemetry_instrumentor") if ep.value == "otel_generate:GenerateInstrumentor"]
+    found = [
+        ep
+        for ep in entry_points(group="opentelemetry_instrumentor")
+        if ep.value == "otel_generate:GenerateInstrumentor"
+    ]
     assert len(found) == 1
     assert found[0].load() is GenerateInstrumentor
 
@@ -600,11 +633,23 @@ def test_model_calling_super_prepare_generated_length_positionally(instrumented,
     """transformers' own ParakeetForTDT / VoxtralRealtime override it and call super() positionally."""
 
     class Positional(type(gpt2)):
-        def _prepare_generated_length(self, generation_config, has_default_max_length, has_default_min_length,
-                                      model_input_name, input_ids_length, inputs_tensor):
-            return super()._prepare_generated_length(generation_config, has_default_max_length,
-                                                     has_default_min_length, model_input_name, input_ids_length,
-                                                     inputs_tensor)
+        def _prepare_generated_length(
+            self,
+            generation_config,
+            has_default_max_length,
+            has_default_min_length,
+            model_input_name,
+            input_ids_length,
+            inputs_tensor,
+        ):
+            return super()._prepare_generated_length(
+                generation_config,
+                has_default_max_length,
+                has_default_min_length,
+                model_input_name,
+                input_ids_length,
+                inputs_tensor,
+            )
 
     model = Positional(gpt2.config).eval()
     ids, mask = prompt(length=4)
@@ -619,8 +664,14 @@ def test_model_calling_super_prepare_generated_length_positionally(instrumented,
 def test_a_real_generated_pad_token_is_output(instrumented, span_exporter, gpt2):
     """The last token of a row that ran to max_new_tokens happens to be the pad id: it was generated."""
     ids, mask = prompt(batch=2, length=4, seed=40)
-    out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=PAD_TOKEN_ID,
-                        eos_token_id=EOS_TOKEN_ID, logits_processor=LogitsProcessorList([ForceAt(4, 0, 4, PAD_TOKEN_ID, forbid=(EOS_TOKEN_ID, PAD_TOKEN_ID))]))
+    out = gpt2.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=5,
+        pad_token_id=PAD_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+        logits_processor=LogitsProcessorList([ForceAt(4, 0, 4, PAD_TOKEN_ID, forbid=(EOS_TOKEN_ID, PAD_TOKEN_ID))]),
+    )
     assert out[0, -1].item() == PAD_TOKEN_ID and out.shape[-1] == 9
     attrs = only_request(span_exporter).attributes
     assert attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 10
@@ -630,9 +681,16 @@ def test_a_real_generated_pad_token_is_output(instrumented, span_exporter, gpt2)
 def test_row_stopped_by_a_criterion_with_pad_equal_to_eos(instrumented, span_exporter, gpt2):
     """GPT-2 style pad == EOS: the padding after a row a user criterion stopped is not an EOS it generated."""
     ids, mask = prompt(batch=2, length=4, seed=41)
-    kwargs = dict(attention_mask=mask, max_new_tokens=6, pad_token_id=EOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
-                  logits_processor=LogitsProcessorList([NoEos()]))
-    expected = uninstrumented_generate(gpt2, ids, stopping_criteria=StoppingCriteriaList([StopRowAfter(4, 2)]), **kwargs)
+    kwargs = dict(
+        attention_mask=mask,
+        max_new_tokens=6,
+        pad_token_id=EOS_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+        logits_processor=LogitsProcessorList([NoEos()]),
+    )
+    expected = uninstrumented_generate(
+        gpt2, ids, stopping_criteria=StoppingCriteriaList([StopRowAfter(4, 2)]), **kwargs
+    )
     out = gpt2.generate(ids, stopping_criteria=StoppingCriteriaList([StopRowAfter(4, 2)]), **kwargs)
     assert torch.equal(out, expected)
     assert out[0, 4:6].tolist() != [EOS_TOKEN_ID] * 2 and (out[0, 6:] == EOS_TOKEN_ID).all()
@@ -650,13 +708,19 @@ def test_another_models_generate_inside_a_request_is_its_own_request(instrumente
     class Guard(LogitsProcessor):
         def __call__(self, input_ids, scores):
             if input_ids.shape[-1] == 5:  # once, at the second step
-                guard.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=2,
-                               eos_token_id=None, per_token_latency_callback=lambda i, s: calls.append(i))
+                guard.generate(
+                    input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    max_new_tokens=2,
+                    eos_token_id=None,
+                    per_token_latency_callback=lambda i, s: calls.append(i),
+                )
             return scores
 
     ids, mask = prompt(length=4)
-    gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None,
-                  logits_processor=LogitsProcessorList([Guard()]))
+    gpt2.generate(
+        ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None, logits_processor=LogitsProcessorList([Guard()])
+    )
     outer, inner = sorted(request_spans(span_exporter), key=lambda s: s.start_time)
     assert inner.parent.span_id == outer.context.span_id
     assert inner.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 2 and outer.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 3
@@ -666,10 +730,19 @@ def test_another_models_generate_inside_a_request_is_its_own_request(instrumente
 
 def test_pixel_inputs_are_not_counted_as_tokens(instrumented, span_exporter):
     """A vision encoder-decoder's pixel_values have no prompt tokens; the continuation still counts."""
-    enc = transformers.ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-                                 image_size=32, patch_size=8)
-    dec = transformers.GPT2Config(vocab_size=128, n_embd=16, n_layer=1, n_head=2, add_cross_attention=True,
-                                  is_decoder=True, bos_token_id=1, eos_token_id=EOS_TOKEN_ID)
+    enc = transformers.ViTConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=32, patch_size=8
+    )
+    dec = transformers.GPT2Config(
+        vocab_size=128,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        add_cross_attention=True,
+        is_decoder=True,
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
+    )
     config = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
     config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = 1, PAD_TOKEN_ID, EOS_TOKEN_ID
     torch.manual_seed(0)
@@ -683,8 +756,9 @@ def test_pixel_inputs_are_not_counted_as_tokens(instrumented, span_exporter):
 
 def test_inputs_embeds_positions_are_input_tokens(instrumented, span_exporter, gpt2):
     ids, mask = prompt(length=4)
-    gpt2.generate(inputs_embeds=gpt2.get_input_embeddings()(ids), attention_mask=mask, max_new_tokens=2,
-                  eos_token_id=None)
+    gpt2.generate(
+        inputs_embeds=gpt2.get_input_embeddings()(ids), attention_mask=mask, max_new_tokens=2, eos_token_id=None
+    )
     attrs = only_request(span_exporter).attributes
     assert attrs[A.GEN_AI_USAGE_INPUT_TOKENS] == 4
     assert attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 2

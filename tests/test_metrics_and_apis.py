@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from conftest import prompt, request_spans, step_spans, uninstrumented_generate
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
@@ -18,8 +19,6 @@ from otel_generate import GenerateInstrumentor, TokenLatencyProfiler
 from otel_generate import attributes as A
 from otel_generate.bench.models import EOS_TOKEN_ID, PAD_TOKEN_ID
 from otel_generate.tokens import count_new_tokens
-
-from conftest import prompt, request_spans, step_spans, uninstrumented_generate
 
 
 def histograms(reader):
@@ -72,15 +71,73 @@ def test_bucket_boundaries_are_the_semconv_ones(instrumented, metric_reader, gpt
     gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None)
     found = histograms(metric_reader)
     expected = {
-        A.METRIC_TIME_TO_FIRST_TOKEN: [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                                       2.5, 5.0, 7.5, 10.0],
+        A.METRIC_TIME_TO_FIRST_TOKEN: [
+            0.001,
+            0.005,
+            0.01,
+            0.02,
+            0.04,
+            0.06,
+            0.08,
+            0.1,
+            0.25,
+            0.5,
+            0.75,
+            1.0,
+            2.5,
+            5.0,
+            7.5,
+            10.0,
+        ],
         A.METRIC_TIME_PER_OUTPUT_TOKEN: [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5],
-        A.METRIC_REQUEST_DURATION: [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
-                                    40.96, 81.92],
-        A.METRIC_CLIENT_OPERATION_DURATION: [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24,
-                                             20.48, 40.96, 81.92],
-        A.METRIC_TOKEN_USAGE: [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304,
-                               16777216, 67108864],
+        A.METRIC_REQUEST_DURATION: [
+            0.01,
+            0.02,
+            0.04,
+            0.08,
+            0.16,
+            0.32,
+            0.64,
+            1.28,
+            2.56,
+            5.12,
+            10.24,
+            20.48,
+            40.96,
+            81.92,
+        ],
+        A.METRIC_CLIENT_OPERATION_DURATION: [
+            0.01,
+            0.02,
+            0.04,
+            0.08,
+            0.16,
+            0.32,
+            0.64,
+            1.28,
+            2.56,
+            5.12,
+            10.24,
+            20.48,
+            40.96,
+            81.92,
+        ],
+        A.METRIC_TOKEN_USAGE: [
+            1,
+            4,
+            16,
+            64,
+            256,
+            1024,
+            4096,
+            16384,
+            65536,
+            262144,
+            1048576,
+            4194304,
+            16777216,
+            67108864,
+        ],
     }
     for name, bounds in expected.items():
         for point in found[name]:
@@ -117,8 +174,13 @@ def test_callback_matches_step_spans(instrumented, span_exporter, gpt2):
     calls = []
     ids, mask = prompt(batch=2, length=5, seed=2)
     expected = uninstrumented_generate(gpt2, ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None)
-    out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None,
-                        per_token_latency_callback=lambda index, latency: calls.append((index, latency)))
+    out = gpt2.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        eos_token_id=None,
+        per_token_latency_callback=lambda index, latency: calls.append((index, latency)),
+    )
     assert torch.equal(out, expected)
     (request,) = request_spans(span_exporter)
     steps = step_spans(span_exporter, request)
@@ -135,9 +197,14 @@ def test_callback_with_prompt_lookup_reports_first_token_index_of_each_step(inst
 
     ids, mask = _repetitive_prompt(gpt2)
     calls = []
-    gpt2.generate(ids, attention_mask=mask, max_new_tokens=20, prompt_lookup_num_tokens=5,
-                  logits_processor=LogitsProcessorList([NoEos()]),
-                  per_token_latency_callback=lambda i, s: calls.append(i))
+    gpt2.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=20,
+        prompt_lookup_num_tokens=5,
+        logits_processor=LogitsProcessorList([NoEos()]),
+        per_token_latency_callback=lambda i, s: calls.append(i),
+    )
     steps = step_spans(span_exporter)
     assert calls == [s.attributes[A.GENERATE_TOKEN_INDEX] for s in steps]
     assert len(calls) < 20
@@ -156,8 +223,9 @@ def test_raising_callback_does_not_break_generation(instrumented, span_exporter,
     ids, mask = prompt(seed=3)
     expected = uninstrumented_generate(gpt2, ids, attention_mask=mask, max_new_tokens=4, eos_token_id=None)
     with caplog.at_level("WARNING", logger="otel_generate"):
-        out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=None,
-                            per_token_latency_callback=bad)
+        out = gpt2.generate(
+            ids, attention_mask=mask, max_new_tokens=4, eos_token_id=None, per_token_latency_callback=bad
+        )
     assert torch.equal(out, expected)
     assert seen == [0, 1, 2, 3]  # still called every step
     assert len([r for r in caplog.records if "per_token_latency_callback" in r.getMessage()]) == 1
@@ -172,8 +240,13 @@ def test_callback_keyword_never_reaches_transformers_even_when_suppressed(instru
     calls = []
     ids, mask = prompt()
     with suppress_instrumentation():
-        out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=2, eos_token_id=None,
-                            per_token_latency_callback=lambda i, s: calls.append(i))
+        out = gpt2.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=2,
+            eos_token_id=None,
+            per_token_latency_callback=lambda i, s: calls.append(i),
+        )
     assert out.shape[-1] == 6
     assert calls == []  # suppressed: nothing runs per step
 
@@ -193,8 +266,13 @@ def test_callback_works_when_the_span_is_not_sampled(span_exporter, gpt2):
     try:
         calls = []
         ids, mask = prompt()
-        gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None,
-                      per_token_latency_callback=lambda i, s: calls.append(i))
+        gpt2.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=3,
+            eos_token_id=None,
+            per_token_latency_callback=lambda i, s: calls.append(i),
+        )
     finally:
         instrumentor.uninstrument()
     assert calls == [0, 1, 2]
@@ -324,8 +402,13 @@ def test_profiler_with_only_the_api_installed(tmp_path):
 
 def test_generation_config_flag_attaches_token_latencies(instrumented, span_exporter, gpt2, recwarn):
     ids, mask = prompt(seed=6)
-    config = GenerationConfig(track_token_latency=True, max_new_tokens=4, return_dict_in_generate=True,
-                              eos_token_id=None, pad_token_id=PAD_TOKEN_ID)
+    config = GenerationConfig(
+        track_token_latency=True,
+        max_new_tokens=4,
+        return_dict_in_generate=True,
+        eos_token_id=None,
+        pad_token_id=PAD_TOKEN_ID,
+    )
     expected = uninstrumented_generate(gpt2, ids, attention_mask=mask, generation_config=config)
     out = gpt2.generate(ids, attention_mask=mask, generation_config=config)
     assert torch.equal(out.sequences, expected.sequences)
@@ -338,8 +421,14 @@ def test_generation_config_flag_attaches_token_latencies(instrumented, span_expo
 
 def test_generate_keyword_flag_and_plain_tensor_return(instrumented, gpt2, caplog):
     ids, mask = prompt(seed=7)
-    out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None, track_token_latency=True,
-                        return_dict_in_generate=True)
+    out = gpt2.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=3,
+        eos_token_id=None,
+        track_token_latency=True,
+        return_dict_in_generate=True,
+    )
     assert len(out.token_latencies) == 3 and all(t > 0 for t in out.token_latencies)
     expected = uninstrumented_generate(gpt2, ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None)
     with caplog.at_level("INFO", logger="otel_generate"):
@@ -363,8 +452,15 @@ def test_flag_without_dict_output_and_eos(instrumented, gpt2):
             return scores
 
     ids, mask = prompt()
-    out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=EOS_TOKEN_ID, track_token_latency=True,
-                        return_dict_in_generate=True, logits_processor=LogitsProcessorList([EosAtTwo()]))
+    out = gpt2.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=8,
+        eos_token_id=EOS_TOKEN_ID,
+        track_token_latency=True,
+        return_dict_in_generate=True,
+        logits_processor=LogitsProcessorList([EosAtTwo()]),
+    )
     assert out.sequences.shape[-1] - 4 == 3
     assert len(out.token_latencies) == 3
 
@@ -405,8 +501,13 @@ def test_instrument_inside_a_profiler_takes_over(tracer_provider, span_exporter,
 
 def test_generate_keyword_false_overrides_the_config_flag(instrumented, gpt2):
     ids, mask = prompt()
-    config = GenerationConfig(track_token_latency=True, max_new_tokens=2, return_dict_in_generate=True,
-                              eos_token_id=None, pad_token_id=PAD_TOKEN_ID)
+    config = GenerationConfig(
+        track_token_latency=True,
+        max_new_tokens=2,
+        return_dict_in_generate=True,
+        eos_token_id=None,
+        pad_token_id=PAD_TOKEN_ID,
+    )
     out = gpt2.generate(ids, attention_mask=mask, generation_config=config, track_token_latency=False)
     assert not hasattr(out, "token_latencies")
     out = gpt2.generate(ids, attention_mask=mask, generation_config=config)

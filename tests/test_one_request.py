@@ -5,15 +5,14 @@ from __future__ import annotations
 import time
 
 import pytest
+import tiny_models
 import torch
+from conftest import prompt, request_spans, step_spans, uninstrumented_generate
+from test_semconv import histogram_points
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from otel_generate import attributes as A
 from otel_generate.bench.models import EOS_TOKEN_ID
-
-import tiny_models
-from conftest import prompt, request_spans, step_spans, uninstrumented_generate
-from test_semconv import histogram_points
 
 
 def only_request(exporter):
@@ -37,8 +36,14 @@ class SleepEachStep(LogitsProcessor):
 def test_max_time_ending_a_batch_is_length(instrumented, span_exporter, gpt2):
     ids, mask = prompt(batch=2, length=4, seed=30)
     # 400 steps of at least 5 ms cannot finish in 0.3 s, however fast the machine
-    out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=400, max_time=0.3, eos_token_id=None,
-                        logits_processor=LogitsProcessorList([SleepEachStep(0.005)]))
+    out = gpt2.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=400,
+        max_time=0.3,
+        eos_token_id=None,
+        logits_processor=LogitsProcessorList([SleepEachStep(0.005)]),
+    )
     new = out.shape[1] - 4
     assert 1 <= new < 400  # max_time, not the token budget, ended it
     request = only_request(span_exporter)
@@ -74,11 +79,18 @@ class StopRowAt(StoppingCriteria):
 def test_model_eos_and_user_criteria_are_stop(instrumented, span_exporter, gpt2):
     ids, mask = prompt(batch=2, length=4, seed=32)
     # row 0 stopped by a user criterion after 3 tokens, row 1 by the budget of 6
-    gpt2.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None, pad_token_id=0,
-                  stopping_criteria=StoppingCriteriaList([StopRowAt(0, 7)]))
+    gpt2.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        eos_token_id=None,
+        pad_token_id=0,
+        stopping_criteria=StoppingCriteriaList([StopRowAt(0, 7)]),
+    )
     # an EOS the model produced by itself: EOS = the token the model emits first on this prompt
-    first = int(uninstrumented_generate(gpt2, ids[:1], attention_mask=mask[:1], max_new_tokens=1,
-                                        eos_token_id=None)[0, -1])
+    first = int(
+        uninstrumented_generate(gpt2, ids[:1], attention_mask=mask[:1], max_new_tokens=1, eos_token_id=None)[0, -1]
+    )
     gpt2.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=6, eos_token_id=first)
     criterion, eos = sorted(request_spans(span_exporter), key=lambda s: s.start_time)
     assert criterion.attributes[A.GEN_AI_RESPONSE_FINISH_REASONS] == ("stop", "length")
@@ -90,8 +102,9 @@ def test_stop_string_is_stop(instrumented, span_exporter, gpt2, tokenizer):
     ids, mask = prompt(length=4, seed=33)
     plain = uninstrumented_generate(gpt2, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
     text = tokenizer.decode(plain[0, 4:7])  # the first three generated tokens as text
-    out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None, stop_strings=[text],
-                        tokenizer=tokenizer)
+    out = gpt2.generate(
+        ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None, stop_strings=[text], tokenizer=tokenizer
+    )
     assert out.shape[1] <= 7 and torch.equal(out[0], plain[0, : out.shape[1]])  # the stop string ended it
     request = only_request(span_exporter)
     assert request.attributes[A.GEN_AI_RESPONSE_FINISH_REASONS] == ("stop",)
@@ -130,20 +143,24 @@ def custom_loop(call_criteria):
     loop = namespace["loop"]
 
     def run(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, **kwargs):
-        return loop(model, input_ids, logits_processor, stopping_criteria, generation_config, call_criteria=call_criteria)
+        return loop(
+            model, input_ids, logits_processor, stopping_criteria, generation_config, call_criteria=call_criteria
+        )
 
     return run
 
 
 @needs_custom_generate
-def test_custom_generate_directory_reentering_generate_is_one_complete_request(instrumented, span_exporter,
-                                                                              metric_reader, gpt2, tmp_path):
+def test_custom_generate_directory_reentering_generate_is_one_complete_request(
+    instrumented, span_exporter, metric_reader, gpt2, tmp_path
+):
     ids = torch.tensor([[5, 6, 7, 8]])
     mask = torch.ones_like(ids)
     expected = uninstrumented_generate(gpt2, ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None)
     directory = tiny_models.custom_generate_dir(str(tmp_path / "reenter"), "reenter")
-    out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None, custom_generate=directory,
-                        trust_remote_code=True)
+    out = gpt2.generate(
+        ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None, custom_generate=directory, trust_remote_code=True
+    )
     assert torch.equal(out, expected)
     request = only_request(span_exporter)
     attrs = request.attributes
@@ -165,8 +182,9 @@ def test_custom_generate_loop_that_cannot_be_seen_says_so(instrumented, span_exp
     mask = torch.ones_like(ids)
     expected = uninstrumented_generate(gpt2, ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None)
     directory = tiny_models.custom_generate_dir(str(tmp_path / kind), kind)
-    out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None, custom_generate=directory,
-                        trust_remote_code=True)
+    out = gpt2.generate(
+        ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None, custom_generate=directory, trust_remote_code=True
+    )
     assert torch.equal(out, expected)
     attrs = only_request(span_exporter).attributes
     assert attrs[A.GEN_AI_USAGE_INPUT_TOKENS] == 4 and attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 6
@@ -178,7 +196,8 @@ def test_custom_generate_loop_that_cannot_be_seen_says_so(instrumented, span_exp
 
 
 @pytest.mark.skipif(
-    "custom_generate" not in __import__("inspect").signature(__import__("transformers").GenerationMixin.generate).parameters,
+    "custom_generate"
+    not in __import__("inspect").signature(__import__("transformers").GenerationMixin.generate).parameters,
     reason="custom_generate arrived in transformers 4.5x",
 )
 @pytest.mark.parametrize("call_criteria", [True, False])
@@ -235,8 +254,11 @@ def whisper():
 
 
 def inner_spans(exporter, request):
-    spans = [s for s in exporter.get_finished_spans()
-             if s.name == A.SPAN_INNER_GENERATE and s.parent.span_id == request.context.span_id]
+    spans = [
+        s
+        for s in exporter.get_finished_spans()
+        if s.name == A.SPAN_INNER_GENERATE and s.parent.span_id == request.context.span_id
+    ]
     return sorted(spans, key=lambda s: s.attributes[A.GENERATE_CALL_INDEX])
 
 
@@ -268,8 +290,9 @@ def generated_per_inner_call(model, **kwargs):
 def test_whisper_long_form_is_one_request(instrumented, span_exporter, metric_reader, whisper, frames):
     torch.manual_seed(0)
     features = torch.randn(1, 80, frames)
-    kwargs = dict(input_features=features, attention_mask=torch.ones(1, frames), return_timestamps=True,
-                  max_new_tokens=20)
+    kwargs = dict(
+        input_features=features, attention_mask=torch.ones(1, frames), return_timestamps=True, max_new_tokens=20
+    )
     per_call = generated_per_inner_call(whisper, **kwargs)
     expected = uninstrumented_generate(whisper, **kwargs)
     out = whisper.generate(**kwargs)
@@ -303,8 +326,14 @@ def test_whisper_long_form_is_one_request(instrumented, span_exporter, metric_re
 def test_whisper_fallback_attempts_are_grouped_and_the_discarded_ones_counted(instrumented, span_exporter, whisper):
     """logprob_threshold=0.0: every attempt falls back (an average log-probability is below 0), the last is kept."""
     torch.manual_seed(0)
-    kwargs = dict(input_features=torch.randn(1, 80, 3000), attention_mask=torch.ones(1, 3000), max_new_tokens=6,
-                  temperature=(0.0, 0.2, 0.4), logprob_threshold=0.0, do_sample=False)
+    kwargs = dict(
+        input_features=torch.randn(1, 80, 3000),
+        attention_mask=torch.ones(1, 3000),
+        max_new_tokens=6,
+        temperature=(0.0, 0.2, 0.4),
+        logprob_threshold=0.0,
+        do_sample=False,
+    )
     whisper.generate(**kwargs)
     request = only_request(span_exporter)
     inner = inner_spans(span_exporter, request)
@@ -314,7 +343,9 @@ def test_whisper_fallback_attempts_are_grouped_and_the_discarded_ones_counted(in
     assert [s.attributes[A.GENERATE_ATTEMPT_KEPT] for s in window0] == [False, False, True]
     assert [s.attributes[A.GENERATE_STRATEGY] for s in window0] == ["greedy", "sample", "sample"]
     tokens = [s.attributes[A.GENERATE_CALL_OUTPUT_TOKENS] for s in inner]
-    discarded = sum(s.attributes[A.GENERATE_CALL_OUTPUT_TOKENS] for s in inner if not s.attributes[A.GENERATE_ATTEMPT_KEPT])
+    discarded = sum(
+        s.attributes[A.GENERATE_CALL_OUTPUT_TOKENS] for s in inner if not s.attributes[A.GENERATE_ATTEMPT_KEPT]
+    )
     assert request.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] == sum(tokens)
     assert request.attributes[A.GENERATE_USAGE_DISCARDED_OUTPUT_TOKENS] == discarded > 0
 
@@ -361,8 +392,14 @@ def test_model_classes_overriding_generate_are_enumerated_and_hooked(instrumente
     found = overriding_classes()
     classes = {name for _, name in found}
     assert len(found) >= 30  # about 55 in transformers 5.x, 38 in 4.46
-    for name in ("WhisperGenerationMixin", "Blip2ForConditionalGeneration", "MusicgenForCausalLM", "BarkModel",
-                 "BarkCoarseModel", "SeamlessM4TForTextToSpeech"):
+    for name in (
+        "WhisperGenerationMixin",
+        "Blip2ForConditionalGeneration",
+        "MusicgenForCausalLM",
+        "BarkModel",
+        "BarkCoarseModel",
+        "SeamlessM4TForTextToSpeech",
+    ):
         assert name in classes, name
     # every one of them that is a GenerationMixin has its own generate hooked once imported
     patched = 0
@@ -439,8 +476,10 @@ def _transformers_at_least(version):
     return Version(Version(transformers.__version__).base_version) >= Version(version)
 
 
-@pytest.mark.skipif(not _transformers_at_least("4.47"),
-                    reason="torch.compile(model.generate) fails uninstrumented on transformers 4.46 (unused model_kwargs)")
+@pytest.mark.skipif(
+    not _transformers_at_least("4.47"),
+    reason="torch.compile(model.generate) fails uninstrumented on transformers 4.46 (unused model_kwargs)",
+)
 @pytest.mark.parametrize("how", ["compile(model.generate)", "compile(model).generate"])
 def test_compiled_generate_is_one_complete_request(instrumented, span_exporter, gpt2, how):
     torch._dynamo.reset()

@@ -26,14 +26,13 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from conftest import prompt
 from opentelemetry.proto.trace.v1 import trace_pb2
+from otlp_receiver import GRPC, HTTP, METRICS, TRACES, OTLPReceiver, attributes
 
 import otel_generate
 from otel_generate import GenerateInstrumentor
 from otel_generate import attributes as A
-
-from conftest import prompt
-from otlp_receiver import GRPC, HTTP, METRICS, TRACES, OTLPReceiver, attributes
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "docker-compose.yml"
@@ -94,7 +93,7 @@ def _set_flags(service: dict) -> dict:
     flags = {}
     for arg in service.get("command") or []:
         if arg.startswith("--set="):
-            key, value = arg[len("--set="):].split("=", 1)
+            key, value = arg[len("--set=") :].split("=", 1)
             flags[key] = value
     return flags
 
@@ -234,7 +233,12 @@ CONDITIONAL = {
 
 
 #: Step-span attributes that the contract says appear only on some steps (outliers, opt-ins, continuous batching).
-STEP_CONDITIONAL = {A.GENERATE_STEP_OUTLIER, A.GENERATE_STEP_REQUESTS, A.GENERATE_STEP_TOKEN_IDS, A.GENERATE_STEP_LOGPROBS}
+STEP_CONDITIONAL = {
+    A.GENERATE_STEP_OUTLIER,
+    A.GENERATE_STEP_REQUESTS,
+    A.GENERATE_STEP_TOKEN_IDS,
+    A.GENERATE_STEP_LOGPROBS,
+}
 
 
 def _contract():
@@ -294,8 +298,7 @@ def run_app(otel_env: dict, *, merge_stderr: bool = False) -> subprocess.Complet
     env = {key: value for key, value in os.environ.items() if not key.startswith("OTEL_")}
     env.update(PYTHONUNBUFFERED="1", **otel_env)
     return subprocess.run(
-        instrument_command()
-        + [str(APP), "--prompt-tokens", str(PROMPT_TOKENS), "--new-tokens", str(NEW_TOKENS)],
+        instrument_command() + [str(APP), "--prompt-tokens", str(PROMPT_TOKENS), "--new-tokens", str(NEW_TOKENS)],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -408,7 +411,9 @@ def test_round_trip_contract_attributes_and_values(exported):
     protocol, receiver, proc = exported
     out = printed(proc.stdout)
     _, by_name = _tree(receiver, protocol)
-    (request,) = [span for name, items in by_name.items() if name.startswith(A.OPERATION_TEXT_COMPLETION) for _, _, span in items]
+    (request,) = [
+        span for name, items in by_name.items() if name.startswith(A.OPERATION_TEXT_COMPLETION) for _, _, span in items
+    ]
     req_attrs = attributes(request.attributes)
 
     # greedy decoding: the sampling, choice-count, error and fault attributes are absent
@@ -443,7 +448,9 @@ def test_round_trip_metrics(exported):
     protocol, receiver, proc = exported
     out = printed(proc.stdout)
     _, by_name = _tree(receiver, protocol)
-    (request,) = [span for name, items in by_name.items() if name.startswith(A.OPERATION_TEXT_COMPLETION) for _, _, span in items]
+    (request,) = [
+        span for name, items in by_name.items() if name.startswith(A.OPERATION_TEXT_COMPLETION) for _, _, span in items
+    ]
     model = attributes(request.attributes)[A.GEN_AI_REQUEST_MODEL][1]
 
     ours = {}
@@ -510,13 +517,23 @@ def test_sampling_and_error_attributes_keep_their_types_on_the_wire(gpt2):
     ids, mask = prompt(batch=1, length=4, seed=3)
     with OTLPReceiver() as receiver:
         provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}))
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{receiver.http_endpoint}/v1/traces")))
+        provider.add_span_processor(
+            BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{receiver.http_endpoint}/v1/traces"))
+        )
         instrumentor = GenerateInstrumentor()
         instrumentor.instrument(tracer_provider=provider, meter_provider=MeterProvider())
         try:
             output = gpt2.generate(
-                input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.7, top_p=0.9, top_k=20,
-                num_return_sequences=2, max_new_tokens=3, eos_token_id=None, pad_token_id=0,
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=0.7,
+                top_p=0.9,
+                top_k=20,
+                num_return_sequences=2,
+                max_new_tokens=3,
+                eos_token_id=None,
+                pad_token_id=0,
             )
             with pytest.raises(ValueError):
                 gpt2.generate(input_ids=ids, attention_mask=mask, max_new_tokens=-1)
@@ -529,9 +546,10 @@ def test_sampling_and_error_attributes_keep_their_types_on_the_wire(gpt2):
     sampled, failed = sorted(requests, key=lambda s: s.start_time_unix_nano)
     sampled_attrs = attributes(sampled.attributes)
     assert_wire_types(
-        sampled_attrs, REQUEST_CONTRACT,
-        set(REQUEST_CONTRACT) - CONDITIONAL | {A.GEN_AI_REQUEST_TEMPERATURE, A.GEN_AI_REQUEST_TOP_P,
-                                               A.GEN_AI_REQUEST_TOP_K, A.GEN_AI_REQUEST_CHOICE_COUNT},
+        sampled_attrs,
+        REQUEST_CONTRACT,
+        set(REQUEST_CONTRACT) - CONDITIONAL
+        | {A.GEN_AI_REQUEST_TEMPERATURE, A.GEN_AI_REQUEST_TOP_P, A.GEN_AI_REQUEST_TOP_K, A.GEN_AI_REQUEST_CHOICE_COUNT},
     )
     assert sampled_attrs[A.GEN_AI_REQUEST_TEMPERATURE][1] == pytest.approx(0.7)
     assert sampled_attrs[A.GEN_AI_REQUEST_TOP_P][1] == pytest.approx(0.9)
@@ -576,9 +594,7 @@ def test_unreachable_collector_warns_and_exits_without_traceback():
     out = printed(output)
     assert len(out["continuation"]) == NEW_TOKENS
     assert "Traceback" not in output
-    failures = [
-        line for line in output.splitlines() if "Failed to export" in line and "127.0.0.1:1" in line
-    ]
+    failures = [line for line in output.splitlines() if "Failed to export" in line and "127.0.0.1:1" in line]
     assert any("traces" in line for line in failures), output
     assert any("metrics" in line for line in failures), output
     # the app's own results were complete before the first export attempt

@@ -16,12 +16,11 @@ import logging
 import pytest
 import torch
 import wrapt
+from conftest import prompt, request_spans
 from transformers.generation.utils import GenerationMixin
 
 from otel_generate import GenerateInstrumentor
 from otel_generate._patch import Patches
-
-from conftest import prompt, request_spans
 
 PATCHED = ("generate", "_prepare_generated_length", "_get_stopping_criteria")
 NEW_TOKENS = 3

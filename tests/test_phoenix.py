@@ -32,9 +32,6 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-
-from otel_generate import attributes as A
-
 from otlp_receiver import GRPC, HTTP
 from test_otlp_export import (
     CONDITIONAL,
@@ -46,6 +43,8 @@ from test_otlp_export import (
     printed,
     run_app,
 )
+
+from otel_generate import attributes as A
 
 pytestmark = pytest.mark.slow
 
@@ -199,11 +198,23 @@ def _screenshot(phoenix: Phoenix, trace_id: str, span_node_id: str, target: Path
     target.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run(
         [
-            chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--no-first-run", "--disable-dev-shm-usage", "--hide-scrollbars", "--window-size=1400,720",
-            "--virtual-time-budget=15000", f"--screenshot={target}", url,
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--no-first-run",
+            "--disable-dev-shm-usage",
+            "--hide-scrollbars",
+            "--window-size=1400,720",
+            "--virtual-time-budget=15000",
+            f"--screenshot={target}",
+            url,
         ],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120, check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=120,
+        check=True,
     )
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -269,4 +280,6 @@ def test_phoenix_stores_the_same_span_tree(phoenix, protocol, tmp_path):
 
     if protocol == HTTP:
         target = os.environ.get("OTEL_GENERATE_PHOENIX_SCREENSHOT")
-        _screenshot(phoenix, request["context"]["trace_id"], request["id"], Path(target) if target else tmp_path / "trace.png")
+        _screenshot(
+            phoenix, request["context"]["trace_id"], request["id"], Path(target) if target else tmp_path / "trace.png"
+        )

@@ -27,12 +27,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import console_spans
 from packaging.requirements import Requirement
 
 from otel_generate import _versions
 from otel_generate.package import _instruments
-
-from conftest import console_spans
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 INSTRUMENT = pathlib.Path(sys.executable).with_name("opentelemetry-instrument")
@@ -96,9 +95,21 @@ def test_the_requirements_pip_reads_name_no_pre_release_so_pip_keeps_final_relea
 def old_packaging(tmp_path_factory):
     target = tmp_path_factory.mktemp("packaging-24")
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-         "--target", str(target), f"packaging=={OLD_PACKAGING}"],
-        capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--target",
+            str(target),
+            f"packaging=={OLD_PACKAGING}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
     if done.returncode != 0:
         pytest.skip(f"could not install packaging=={OLD_PACKAGING} from the package index: {done.stderr[-500:]}")
@@ -122,7 +133,7 @@ def _env(*paths, **extra):
     return env
 
 
-PROBE = r'''
+PROBE = r"""
 import importlib.metadata, json, sys
 import packaging
 import transformers
@@ -154,16 +165,22 @@ print("PROBE " + json.dumps({
     "output_tokens": [s.attributes["gen_ai.usage.output_tokens"] for s in requests],
     "generated": output.shape[-1] - ids.shape[-1],
 }))
-'''
+"""
 
 
 def _probe(tmp_path, old_packaging, transformers, torch):
     fake = _fake_versions(tmp_path / "fake", transformers, torch)
-    done = subprocess.run([sys.executable, "-c", PROBE, transformers], capture_output=True, text=True,
-                          timeout=SUBPROCESS_TIMEOUT_S, env=_env(old_packaging, fake), cwd=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, transformers],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+        env=_env(old_packaging, fake),
+        cwd=str(tmp_path),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith("PROBE "))
-    return json.loads(line[len("PROBE "):]), done.stderr
+    return json.loads(line[len("PROBE ") :]), done.stderr
 
 
 def test_instrument_accepts_pre_releases_under_packaging_24(tmp_path, old_packaging):
@@ -184,7 +201,7 @@ def test_instrument_still_refuses_a_version_out_of_range_under_packaging_24(tmp_
     assert 'only instruments "transformers >= 4.46"' in stderr and "transformers 4.45.2" in stderr
 
 
-APP = r'''
+APP = r"""
 import importlib.metadata, sys
 import packaging
 import torch
@@ -196,7 +213,7 @@ print("LOADER packaging=%s transformers=%s conflict=%s" % (
     packaging.__version__, importlib.metadata.version("transformers"), conflict))
 ids = torch.randint(1, 126, (1, 4), generator=torch.Generator().manual_seed(0))
 build_model("gpt2", seed=0).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, eos_token_id=None)
-'''
+"""
 
 
 @pytest.mark.parametrize("disabled", [False, True], ids=["enabled", "disabled"])
@@ -207,10 +224,23 @@ def test_opentelemetry_instrument_loader_accepts_pre_releases_under_packaging_24
     app = tmp_path / "app.py"
     app.write_text(APP, encoding="utf-8")
     extra = {"OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "transformers_generate"} if disabled else {}
-    env = _env(old_packaging, fake, OTEL_TRACES_EXPORTER="console", OTEL_METRICS_EXPORTER="none",
-               OTEL_LOGS_EXPORTER="none", OTEL_SERVICE_NAME="prerelease", **extra)
-    done = subprocess.run([str(INSTRUMENT), sys.executable, str(app)], capture_output=True, text=True,
-                          timeout=SUBPROCESS_TIMEOUT_S, env=env, cwd=str(tmp_path))
+    env = _env(
+        old_packaging,
+        fake,
+        OTEL_TRACES_EXPORTER="console",
+        OTEL_METRICS_EXPORTER="none",
+        OTEL_LOGS_EXPORTER="none",
+        OTEL_SERVICE_NAME="prerelease",
+        **extra,
+    )
+    done = subprocess.run(
+        [str(INSTRUMENT), sys.executable, str(app)],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+        env=env,
+        cwd=str(tmp_path),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     loader = next(line for line in done.stdout.splitlines() if line.startswith("LOADER "))
     assert f"packaging={OLD_PACKAGING} transformers={TRANSFORMERS_DEV}" in loader

@@ -38,6 +38,7 @@ import weakref
 import pytest
 import torch
 import wrapt
+from conftest import console_spans, contract_table, prompt, request_spans, step_spans, uninstrumented_generate
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.instrumentation.utils import suppress_instrumentation
@@ -55,24 +56,36 @@ from transformers.generation.utils import GenerationMixin
 
 import otel_generate
 from otel_generate import GenerateInstrumentor, _faults, clock
-from otel_generate.integrations import generate_loop
-from otel_generate.integrations import step_hook as _recorder
 from otel_generate import attributes as A
 from otel_generate.bench.models import build_model
-
-from conftest import console_spans, contract_table, prompt, request_spans, step_spans, uninstrumented_generate
+from otel_generate.integrations import generate_loop
+from otel_generate.integrations import step_hook as _recorder
 
 LOGGER = "otel_generate"
 
 #: The attributes every successful request span carries (greedy, one sequence per prompt).
 REQUEST_CONTRACT = {
-    A.GEN_AI_OPERATION_NAME, A.GEN_AI_PROVIDER_NAME, A.GEN_AI_REQUEST_MODEL, A.GEN_AI_RESPONSE_MODEL,
+    A.GEN_AI_OPERATION_NAME,
+    A.GEN_AI_PROVIDER_NAME,
+    A.GEN_AI_REQUEST_MODEL,
+    A.GEN_AI_RESPONSE_MODEL,
     A.GEN_AI_REQUEST_MAX_TOKENS,
-    A.GEN_AI_USAGE_INPUT_TOKENS, A.GEN_AI_USAGE_OUTPUT_TOKENS, A.GEN_AI_RESPONSE_FINISH_REASONS,
-    A.GENERATE_STEPS, A.GENERATE_TIME_TO_FIRST_TOKEN, A.GENERATE_TIME_PER_OUTPUT_TOKEN,
-    A.GENERATE_BATCH_SIZE, A.GENERATE_NUM_BEAMS, A.GENERATE_STRATEGY, A.GENERATE_DEVICE,
-    A.GENERATE_SYNCHRONIZED, A.GENERATE_STEP_SPANS_DROPPED, A.GENERATE_STEP_SPANS_POLICY,
-    A.GENERATE_STEP_SPANS_EMITTED, A.GENERATE_STEP_LATENCIES, A.GENERATE_STEP_OUTLIERS,
+    A.GEN_AI_USAGE_INPUT_TOKENS,
+    A.GEN_AI_USAGE_OUTPUT_TOKENS,
+    A.GEN_AI_RESPONSE_FINISH_REASONS,
+    A.GENERATE_STEPS,
+    A.GENERATE_TIME_TO_FIRST_TOKEN,
+    A.GENERATE_TIME_PER_OUTPUT_TOKEN,
+    A.GENERATE_BATCH_SIZE,
+    A.GENERATE_NUM_BEAMS,
+    A.GENERATE_STRATEGY,
+    A.GENERATE_DEVICE,
+    A.GENERATE_SYNCHRONIZED,
+    A.GENERATE_STEP_SPANS_DROPPED,
+    A.GENERATE_STEP_SPANS_POLICY,
+    A.GENERATE_STEP_SPANS_EMITTED,
+    A.GENERATE_STEP_LATENCIES,
+    A.GENERATE_STEP_OUTLIERS,
 }
 #: Present when the key/value cache object was reachable (every transformers 5.x request; a 4.x model
 #: that keeps legacy tuples only with return_dict_in_generate=True).
@@ -134,9 +147,16 @@ def fresh_fault_log(monkeypatch):
 @pytest.fixture
 def no_package_env(monkeypatch):
     monkeypatch.setattr(otel_generate.options, "_warned_env", set())  # each test sees its own first warning
-    for name in ("OTEL_GENERATE_SYNCHRONIZE", "OTEL_GENERATE_MAX_STEP_SPANS", "OTEL_BSP_MAX_QUEUE_SIZE",
-                 "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "OTEL_ATTRIBUTE_COUNT_LIMIT", "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT",
-                 "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT"):
+    for name in (
+        "OTEL_GENERATE_SYNCHRONIZE",
+        "OTEL_GENERATE_MAX_STEP_SPANS",
+        "OTEL_BSP_MAX_QUEUE_SIZE",
+        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
+        "OTEL_ATTRIBUTE_COUNT_LIMIT",
+        "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT",
+        "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+        "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -178,8 +198,9 @@ def test_four_threads_on_one_model_each_request_gets_exactly_its_own_steps(
     # outputs are those of a sequential, uninstrumented run
     for (thread, i), (out, _) in results.items():
         ids, mask = inputs(thread, i)
-        expected = uninstrumented_generate(gpt2, ids, attention_mask=mask, max_new_tokens=new_tokens[thread],
-                                           eos_token_id=None)
+        expected = uninstrumented_generate(
+            gpt2, ids, attention_mask=mask, max_new_tokens=new_tokens[thread], eos_token_id=None
+        )
         assert torch.equal(out, expected)
 
     requests = request_spans(span_exporter)
@@ -225,8 +246,7 @@ def post_fork_setup(spans_path):
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-    provider = TracerProvider(resource=Resource.create({"service.name": "generate-worker",
-                                                        "process.pid": os.getpid()}))
+    provider = TracerProvider(resource=Resource.create({"service.name": "generate-worker", "process.pid": os.getpid()}))
     out = open(spans_path, "w", encoding="utf-8")
     provider.add_span_processor(
         BatchSpanProcessor(ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n"))
@@ -286,8 +306,10 @@ def test_requests_in_multiprocessing_workers_reach_the_exporter(start_method, gp
         requests = [s for s in spans if s["name"].startswith("text_completion ")]
         apps = {s["context"]["span_id"] for s in spans if s["name"] == "handle_request"}
         assert len(requests) == len(worker_jobs) == len(apps)
-        for request, (_, new_tokens) in zip(sorted(requests, key=lambda s: s["attributes"][A.GENERATE_STEPS]),
-                                            sorted(worker_jobs, key=lambda job: job[1])):
+        for request, (_, new_tokens) in zip(
+            sorted(requests, key=lambda s: s["attributes"][A.GENERATE_STEPS]),
+            sorted(worker_jobs, key=lambda job: job[1]),
+        ):
             assert request["parent_id"] in apps
             steps = [s for s in spans if s["parent_id"] == request["context"]["span_id"]]
             assert sorted(s["attributes"][A.GENERATE_STEP_INDEX] for s in steps) == list(range(new_tokens))
@@ -414,8 +436,14 @@ def test_step_span_cap_keeps_totals_and_states_what_was_not_emitted(how, cap, no
         monkeypatch.setenv("OTEL_GENERATE_MAX_STEP_SPANS", str(cap))
     ids, mask = prompt(length=4, seed=20)
     with instrumentation(**options):
-        out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None,
-                            return_dict_in_generate=True, track_token_latency=True)
+        out = gpt2.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=12,
+            eos_token_id=None,
+            return_dict_in_generate=True,
+            track_token_latency=True,
+        )
     latencies_s = list(out.token_latencies)  # every step, from the same clock
     assert len(latencies_s) == 12
 
@@ -512,8 +540,9 @@ def test_contract_attributes_survive_span_limits(limits, no_package_env, gpt2):
     ids, mask = prompt(batch=2, length=4, seed=22)
     with instrumentation(tracer_provider=provider):
         torch.manual_seed(0)
-        gpt2.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=None, do_sample=True,
-                      num_return_sequences=2)
+        gpt2.generate(
+            ids, attention_mask=mask, max_new_tokens=4, eos_token_id=None, do_sample=True, num_return_sequences=2
+        )
         gpt2.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=None)
     sampled, greedy = sorted(request_spans(exporter), key=lambda s: s.start_time)
     assert set(sampled.attributes) - CACHE_FIGURE == REQUEST_CONTRACT | SAMPLING_CONTRACT | CHOICES_CONTRACT
@@ -527,8 +556,9 @@ def test_contract_attributes_survive_span_limits(limits, no_package_env, gpt2):
             assert set(span.attributes) == STEP_CONTRACT
 
 
-def test_the_largest_request_span_fits_the_documented_bound(no_package_env, fresh_fault_log, monkeypatch, gpt2,
-                                                            tokenizer):
+def test_the_largest_request_span_fits_the_documented_bound(
+    no_package_env, fresh_fault_log, monkeypatch, gpt2, tokenizer
+):
     """Sampling, several sequences, a streamer, stop strings, the slow policy's reason, content capture
     and a fault (incomplete): every attribute kept under a limit of MAX_REQUEST_ATTRIBUTES."""
     from transformers.generation.streamers import BaseStreamer
@@ -549,15 +579,33 @@ def test_the_largest_request_span_fits_the_documented_bound(no_package_env, fres
     monkeypatch.setattr(torch.cuda, "synchronize", broken_synchronize)
     provider, exporter = provider_with(span_limits=SpanLimits(max_span_attributes=MAX_REQUEST_ATTRIBUTES))
     ids, mask = prompt(length=4, seed=23)
-    with instrumentation(tracer_provider=provider, step_spans="slow", slow_time_to_first_token=1e-9,
-                         capture_message_content=True, measure_memory=False):
+    with instrumentation(
+        tracer_provider=provider,
+        step_spans="slow",
+        slow_time_to_first_token=1e-9,
+        capture_message_content=True,
+        measure_memory=False,
+    ):
         torch.manual_seed(0)
-        gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None, do_sample=True,
-                      num_return_sequences=2, streamer=Sink(), stop_strings=["zz"], tokenizer=tokenizer)
+        gpt2.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=3,
+            eos_token_id=None,
+            do_sample=True,
+            num_return_sequences=2,
+            streamer=Sink(),
+            stop_strings=["zz"],
+            tokenizer=tokenizer,
+        )
     request = only_request(exporter)
     assert request.dropped_attributes == 0
     expected = (
-        REQUEST_CONTRACT | SAMPLING_CONTRACT | CHOICES_CONTRACT | STREAM_CONTRACT | STOP_CONTRACT
+        REQUEST_CONTRACT
+        | SAMPLING_CONTRACT
+        | CHOICES_CONTRACT
+        | STREAM_CONTRACT
+        | STOP_CONTRACT
         | {A.GENERATE_STEPS_INCOMPLETE, A.GEN_AI_INPUT_MESSAGES, A.GEN_AI_OUTPUT_MESSAGES}
         | {A.GENERATE_STEP_SPANS_REASON}
     )
@@ -609,8 +657,9 @@ def _unsampled_parent():
     return trace.set_span_in_context(NonRecordingSpan(parent))
 
 
-@pytest.mark.parametrize("mode", ["never instrumented", "uninstrumented", "suppressed", "always_off sampler",
-                                  "parent not sampled"])
+@pytest.mark.parametrize(
+    "mode", ["never instrumented", "uninstrumented", "suppressed", "always_off sampler", "parent not sampled"]
+)
 def test_off_means_no_hook_and_no_synchronize(mode, hot_path_calls, no_package_env, gpt2):
     ids, mask = prompt(length=4, seed=25)
     kwargs = dict(attention_mask=mask, max_new_tokens=4, eos_token_id=None)
@@ -620,7 +669,9 @@ def test_off_means_no_hook_and_no_synchronize(mode, hot_path_calls, no_package_e
     if mode == "uninstrumented":
         instrumentor.instrument(tracer_provider=provider)
         instrumentor.uninstrument()
-        assert not isinstance(GenerationMixin.__dict__["generate"], getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy))
+        assert not isinstance(
+            GenerationMixin.__dict__["generate"], getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)
+        )
     elif mode != "never instrumented":
         instrumentor.instrument(tracer_provider=provider)
     try:
@@ -682,12 +733,24 @@ def test_opentelemetry_instrument_plus_manual_instrument_gives_one_request_span_
     if not instrument.exists():
         pytest.skip("opentelemetry-instrument is not installed (opentelemetry-instrumentation)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    env.update(OTEL_SERVICE_NAME="manual-plus-auto", OTEL_TRACES_EXPORTER="console", OTEL_METRICS_EXPORTER="none",
-               OTEL_LOGS_EXPORTER="none", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.update(
+        OTEL_SERVICE_NAME="manual-plus-auto",
+        OTEL_TRACES_EXPORTER="console",
+        OTEL_METRICS_EXPORTER="none",
+        OTEL_LOGS_EXPORTER="none",
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+    )
     if auto == "disabled":
         env["OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"] = "transformers_generate"
-    done = subprocess.run([str(instrument), sys.executable, str(app)], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=str(tmp_path))
+    done = subprocess.run(
+        [str(instrument), sys.executable, str(app)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=str(tmp_path),
+    )
     assert done.returncode == 0, done.stderr
     if auto == "enabled":  # BaseInstrumentor's warning for the app's own, second, call
         assert "already instrumented" in done.stderr
@@ -707,8 +770,9 @@ def test_opentelemetry_instrument_plus_manual_instrument_gives_one_request_span_
         assert request["attributes"][A.GENERATE_STEP_SPANS_DROPPED] == new_tokens - emitted
 
 
-def test_threading_instrumentation_carries_the_app_span_into_plain_threads(instrumented, span_exporter,
-                                                                          tracer_provider, gpt2):
+def test_threading_instrumentation_carries_the_app_span_into_plain_threads(
+    instrumented, span_exporter, tracer_provider, gpt2
+):
     threading_instrumentation = pytest.importorskip("opentelemetry.instrumentation.threading")
     from concurrent.futures import ThreadPoolExecutor
 
@@ -791,8 +855,17 @@ def captured_telemetry(monkeypatch):
     ],
 )
 def test_unparsable_environment_value_warns_once_and_uses_the_default(
-    variable, value, option, default, no_package_env, captured_telemetry, monkeypatch, caplog, tracer_provider,
-    span_exporter, gpt2,
+    variable,
+    value,
+    option,
+    default,
+    no_package_env,
+    captured_telemetry,
+    monkeypatch,
+    caplog,
+    tracer_provider,
+    span_exporter,
+    gpt2,
 ):
     monkeypatch.setenv(variable, value)
     ids, mask = prompt(length=4, seed=27)
@@ -811,8 +884,9 @@ def test_unparsable_environment_value_warns_once_and_uses_the_default(
     assert len(step_spans(span_exporter, request)) == 3
 
 
-def test_unparsable_environment_value_is_reported_once_per_process(no_package_env, monkeypatch, caplog,
-                                                                    tracer_provider):
+def test_unparsable_environment_value_is_reported_once_per_process(
+    no_package_env, monkeypatch, caplog, tracer_provider
+):
     monkeypatch.setenv("OTEL_GENERATE_MAX_STEP_SPANS", "lots")
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         for _ in range(3):  # e.g. three profilers, each turning the instrumentation on and off
@@ -821,14 +895,18 @@ def test_unparsable_environment_value_is_reported_once_per_process(no_package_en
     assert len(warnings_from_package(caplog)) == 1
 
 
-@pytest.mark.parametrize("variable, value, option, parsed", [
-    ("OTEL_GENERATE_SYNCHRONIZE", " FALSE ", "synchronize", False),
-    ("OTEL_GENERATE_SYNCHRONIZE", "", "synchronize", True),
-    ("OTEL_GENERATE_MAX_STEP_SPANS", " 7 ", "max_step_spans", 7),
-    ("OTEL_GENERATE_MAX_STEP_SPANS", "", "max_step_spans", 1024),
-])
-def test_parsable_environment_values_give_no_warning(variable, value, option, parsed, no_package_env,
-                                                     captured_telemetry, monkeypatch, caplog, tracer_provider):
+@pytest.mark.parametrize(
+    "variable, value, option, parsed",
+    [
+        ("OTEL_GENERATE_SYNCHRONIZE", " FALSE ", "synchronize", False),
+        ("OTEL_GENERATE_SYNCHRONIZE", "", "synchronize", True),
+        ("OTEL_GENERATE_MAX_STEP_SPANS", " 7 ", "max_step_spans", 7),
+        ("OTEL_GENERATE_MAX_STEP_SPANS", "", "max_step_spans", 1024),
+    ],
+)
+def test_parsable_environment_values_give_no_warning(
+    variable, value, option, parsed, no_package_env, captured_telemetry, monkeypatch, caplog, tracer_provider
+):
     monkeypatch.setenv(variable, value)
     with caplog.at_level(logging.WARNING, logger=LOGGER), instrumentation(tracer_provider=tracer_provider):
         pass
@@ -847,8 +925,15 @@ def test_parsable_environment_values_give_no_warning(variable, value, option, pa
         (dict(tracer_provider="http://localhost:4317"), TypeError, ["tracer_provider"]),
         (dict(meter_provider=object()), TypeError, ["meter_provider"]),
     ],
-    ids=["unknown-keywords", "max_step_spans-str", "max_step_spans-bool", "max_step_spans-float",
-         "synchronize-int", "tracer_provider-str", "meter_provider-object"],
+    ids=[
+        "unknown-keywords",
+        "max_step_spans-str",
+        "max_step_spans-bool",
+        "max_step_spans-float",
+        "synchronize-int",
+        "tracer_provider-str",
+        "meter_provider-object",
+    ],
 )
 def test_invalid_instrument_keyword_is_a_clear_error_and_changes_nothing(options, error, names):
     original = GenerationMixin.__dict__["generate"]
@@ -992,8 +1077,9 @@ def test_synchronize_raising_is_logged_once_and_marks_the_request_incomplete(
 
 
 @pytest.mark.parametrize("failing", ["from step 1 on", "only the end read", "from the first read"])
-def test_clock_raising_never_breaks_generate(failing, fresh_fault_log, monkeypatch, caplog, instrumented,
-                                             span_exporter, gpt2):
+def test_clock_raising_never_breaks_generate(
+    failing, fresh_fault_log, monkeypatch, caplog, instrumented, span_exporter, gpt2
+):
     """The monotonic clock failing for good inside a step, or at the end: generate() still returns."""
     real = clock.monotonic_ns
     reads = {"n": 0}
@@ -1002,8 +1088,11 @@ def test_clock_raising_never_breaks_generate(failing, fresh_fault_log, monkeypat
     def failing_clock():
         reads["n"] += 1
         n = reads["n"]  # reads: 1 start, 2..5 the 4 steps, 6 the end
-        if (failing == "from step 1 on" and n >= 3) or (failing == "only the end read" and n == new_tokens + 2) \
-                or failing == "from the first read":
+        if (
+            (failing == "from step 1 on" and n >= 3)
+            or (failing == "only the end read" and n == new_tokens + 2)
+            or failing == "from the first read"
+        ):
             raise OSError("clock unavailable")
         return real()
 

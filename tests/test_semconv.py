@@ -7,13 +7,12 @@ import time
 
 import pytest
 import torch
+from conftest import prompt, request_spans, step_spans, uninstrumented_generate
 from opentelemetry import trace
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
 from otel_generate import attributes as A
-
-from conftest import prompt, request_spans, step_spans, uninstrumented_generate
 
 
 def histogram_points(metric_reader):
@@ -36,7 +35,9 @@ def test_top_k_is_a_double_and_response_model_is_set(instrumented, span_exporter
     (request,) = request_spans(span_exporter)
     top_k = request.attributes[A.GEN_AI_REQUEST_TOP_K]
     assert type(top_k) is float and top_k == 7.0
-    assert request.attributes[A.GEN_AI_RESPONSE_MODEL] == request.attributes[A.GEN_AI_REQUEST_MODEL] == "GPT2LMHeadModel"
+    assert (
+        request.attributes[A.GEN_AI_RESPONSE_MODEL] == request.attributes[A.GEN_AI_REQUEST_MODEL] == "GPT2LMHeadModel"
+    )
 
 
 def test_no_millisecond_names_and_latencies_in_seconds(instrumented, span_exporter, gpt2):
@@ -49,17 +50,21 @@ def test_no_millisecond_names_and_latencies_in_seconds(instrumented, span_export
         assert not [name for name in span.attributes if name.endswith("_ms")], span.name
     for step in steps:
         # the span's own duration, in seconds, is the attribute
-        assert step.attributes[A.GENERATE_STEP_LATENCY] == pytest.approx((step.end_time - step.start_time) / 1e9, abs=1e-6)
+        assert step.attributes[A.GENERATE_STEP_LATENCY] == pytest.approx(
+            (step.end_time - step.start_time) / 1e9, abs=1e-6
+        )
     assert request.attributes[A.GENERATE_TIME_TO_FIRST_TOKEN] == steps[0].attributes[A.GENERATE_STEP_LATENCY]
     assert sum(s.attributes[A.GENERATE_STEP_LATENCY] for s in steps) <= (request.end_time - request.start_time) / 1e9
 
 
 def test_stop_strings_are_the_stop_sequences(instrumented, span_exporter, gpt2, tokenizer):
     ids, mask = prompt(seed=13)
-    gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None, stop_strings=["zz", "q!"],
-                  tokenizer=tokenizer)
-    gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None, stop_strings="abc",
-                  tokenizer=tokenizer)
+    gpt2.generate(
+        ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None, stop_strings=["zz", "q!"], tokenizer=tokenizer
+    )
+    gpt2.generate(
+        ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None, stop_strings="abc", tokenizer=tokenizer
+    )
     gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None)
     lists, single, none = sorted(request_spans(span_exporter), key=lambda s: s.start_time)
     assert lists.attributes[A.GEN_AI_REQUEST_STOP_SEQUENCES] == ("zz", "q!")
@@ -142,16 +147,25 @@ def test_exemplars_point_at_the_request_spans(instrumented, span_exporter, trace
     ids, mask = prompt(seed=16)
     tracer = tracer_provider.get_tracer("app")
     with tracer.start_as_current_span("handle_request") as app:
-        gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None,
-                      logits_processor=LogitsProcessorList([SlowFirstStep(0.05)]))
+        gpt2.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=3,
+            eos_token_id=None,
+            logits_processor=LogitsProcessorList([SlowFirstStep(0.05)]),
+        )
     gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None)  # outside any span
     requests = {s.context.span_id for s in request_spans(span_exporter)}
     assert len(requests) == 2 and app.get_span_context().span_id not in requests
     points = histogram_points(metric_reader)
     (ttft,) = points[A.METRIC_TIME_TO_FIRST_TOKEN]
     assert {e.span_id for e in ttft.exemplars} == requests
-    for name in (A.METRIC_TIME_PER_OUTPUT_TOKEN, A.METRIC_REQUEST_DURATION, A.METRIC_CLIENT_OPERATION_DURATION,
-                 A.METRIC_TOKEN_USAGE):
+    for name in (
+        A.METRIC_TIME_PER_OUTPUT_TOKEN,
+        A.METRIC_REQUEST_DURATION,
+        A.METRIC_CLIENT_OPERATION_DURATION,
+        A.METRIC_TOKEN_USAGE,
+    ):
         for point in points[name]:
             exemplar_spans = {e.span_id for e in point.exemplars}
             assert exemplar_spans and exemplar_spans <= requests, name
@@ -171,8 +185,13 @@ class RaiseAtCall(LogitsProcessor):
 def test_failed_request_records_no_latency_histograms(instrumented, span_exporter, metric_reader, gpt2):
     ids, mask = prompt(seed=17)
     with pytest.raises(RuntimeError, match="logits processor failed"):
-        gpt2.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None,
-                      logits_processor=LogitsProcessorList([RaiseAtCall(3)]))
+        gpt2.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=6,
+            eos_token_id=None,
+            logits_processor=LogitsProcessorList([RaiseAtCall(3)]),
+        )
     (request,) = request_spans(span_exporter)
     assert request.status.status_code == trace.StatusCode.ERROR
     assert request.attributes[A.ERROR_TYPE] == "RuntimeError"

@@ -29,11 +29,10 @@ import urllib.error
 import urllib.request
 
 import pytest
+from conftest import console_spans, request_spans, step_spans
 from opentelemetry.trace import SpanKind
 
 from otel_generate import attributes as A
-
-from conftest import console_spans, request_spans, step_spans
 
 pytest.importorskip("transformers.cli.serving.utils", reason="this transformers has no OpenAI-compatible serve")
 for _module in ("fastapi", "uvicorn", "openai", "opentelemetry.instrumentation.fastapi", "accelerate"):
@@ -115,20 +114,24 @@ def expected_completion(model_dir, prompt):
     ids = torch.tensor([tokenizer(prompt)["input_ids"]])
     with suppress_instrumentation():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 def _sdk_span(span):
     return {
-        "name": span.name, "trace_id": span.context.trace_id, "span_id": span.context.span_id,
-        "parent_id": span.parent.span_id if span.parent is not None else None, "attributes": dict(span.attributes),
+        "name": span.name,
+        "trace_id": span.context.trace_id,
+        "span_id": span.context.span_id,
+        "parent_id": span.parent.span_id if span.parent is not None else None,
+        "attributes": dict(span.attributes),
         "kind": span.kind,
     }
 
 
 @pytest.mark.parametrize("mode", ["plain", "continuous_batching"])
-def test_in_process_serve_puts_each_request_under_its_http_span(mode, model_dir, instrumented, tracer_provider,
-                                                                 span_exporter, monkeypatch):
+def test_in_process_serve_puts_each_request_under_its_http_span(
+    mode, model_dir, instrumented, tracer_provider, span_exporter, monkeypatch
+):
     import fastapi
     from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
     from transformers.cli.serve import Serve
@@ -142,8 +145,9 @@ def test_in_process_serve_puts_each_request_under_its_http_span(mode, model_dir,
     url = f"http://127.0.0.1:{port}"
     serve = None
     try:
-        options = dict(force_model=model_dir, host="127.0.0.1", port=port, non_blocking=True, device="cpu",
-                       log_level="error")
+        options = dict(
+            force_model=model_dir, host="127.0.0.1", port=port, non_blocking=True, device="cpu", log_level="error"
+        )
         serve = Serve(**options, **(CB_OPTIONS if mode == "continuous_batching" else {}))
         wait_healthy(url, 120)
         span_exporter.clear()
@@ -173,14 +177,35 @@ def test_opentelemetry_instrument_serve_puts_each_request_under_its_http_span(mo
     bin_dir = pathlib.Path(sys.executable).parent
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [str(bin_dir / "opentelemetry-instrument"), "--traces_exporter", "console", "--metrics_exporter", "none",
-               "--logs_exporter", "none", str(bin_dir / "transformers"), "serve", model_dir, "--host", "127.0.0.1",
-               "--port", str(port), "--device", "cpu", *(CB_FLAGS if mode == "continuous_batching" else [])]
+    command = [
+        str(bin_dir / "opentelemetry-instrument"),
+        "--traces_exporter",
+        "console",
+        "--metrics_exporter",
+        "none",
+        "--logs_exporter",
+        "none",
+        str(bin_dir / "transformers"),
+        "serve",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        *(CB_FLAGS if mode == "continuous_batching" else []),
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    env.update(OTEL_SERVICE_NAME="serve-test", OTEL_BSP_SCHEDULE_DELAY="100", PYTHONUNBUFFERED="1",
-               PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                               cwd=str(ROOT))
+    env.update(
+        OTEL_SERVICE_NAME="serve-test",
+        OTEL_BSP_SCHEDULE_DELAY="100",
+        PYTHONUNBUFFERED="1",
+        PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
+    )
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT)
+    )
     try:
         wait_healthy(url, 240, process)
         rng = random.Random(21)
@@ -197,8 +222,13 @@ def test_opentelemetry_instrument_serve_puts_each_request_under_its_http_span(mo
             process.kill()
             out, err = process.communicate()
     spans = [
-        {"name": s["name"], "trace_id": int(s["context"]["trace_id"], 16), "span_id": int(s["context"]["span_id"], 16),
-         "parent_id": int(s["parent_id"], 16) if s["parent_id"] else None, "attributes": s["attributes"]}
+        {
+            "name": s["name"],
+            "trace_id": int(s["context"]["trace_id"], 16),
+            "span_id": int(s["context"]["span_id"], 16),
+            "parent_id": int(s["parent_id"], 16) if s["parent_id"] else None,
+            "attributes": s["attributes"],
+        }
         for s in console_spans(out)
     ]
     assert spans, err

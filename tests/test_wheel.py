@@ -21,11 +21,10 @@ import tarfile
 import zipfile
 
 import pytest
+from conftest import console_spans
 
 from otel_generate import attributes as A
 from otel_generate.version import __version__
-
-from conftest import console_spans
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 INSTRUMENT = pathlib.Path(sys.executable).with_name("opentelemetry-instrument")
@@ -33,22 +32,22 @@ TIMEOUT_S = 600
 NEW_TOKENS = 3
 MODULES = sorted(p.name for p in (ROOT / "otel_generate").glob("*.py"))
 
-RUN_EXAMPLE = r'''
+RUN_EXAMPLE = r"""
 import runpy, sys
 import otel_generate
 print("OTEL_GENERATE_FROM " + otel_generate.__file__, flush=True)
 sys.argv = [sys.argv[1]] + sys.argv[2:]
 runpy.run_path(sys.argv[0], run_name="__main__")
-'''
+"""
 
-CHECK_DISTRIBUTIONS = r'''
+CHECK_DISTRIBUTIONS = r"""
 import importlib.metadata as md
 dists = [d for d in md.distributions() if (d.metadata["Name"] or "").lower().replace("_", "-") == "otel-generate"]
 print("DISTRIBUTIONS", len(dists), dists[0].version if dists else None)
 for group in ("opentelemetry_instrumentor", "opentelemetry_pre_instrument", "opentelemetry_post_instrument"):
     names = [ep.value for ep in md.entry_points(group=group) if ep.name == "transformers_generate"]
     print("ENTRY_POINTS", group, len(names), names[0] if names else None)
-'''
+"""
 
 
 def _run(args, **kwargs):
@@ -82,8 +81,12 @@ def test_built_wheel_in_a_fresh_venv_runs_the_example_under_opentelemetry_instru
         pytest.skip("opentelemetry-instrument is not installed (opentelemetry-instrumentation)")
     pytest.importorskip("build")
     dist = tmp_path / "dist"
-    built = subprocess.run([sys.executable, "-m", "build", "--outdir", str(dist), str(ROOT)],
-                           capture_output=True, text=True, timeout=TIMEOUT_S)
+    built = subprocess.run(
+        [sys.executable, "-m", "build", "--outdir", str(dist), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     if built.returncode != 0 and "Could not find a version that satisfies" in built.stdout + built.stderr:
         pytest.skip("the isolated build could not fetch setuptools from the package index")
     assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-3000:]
@@ -107,13 +110,17 @@ def test_built_wheel_in_a_fresh_venv_runs_the_example_under_opentelemetry_instru
     python = venv / "bin" / "python"
     env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "PYTHON", "VIRTUAL_ENV"))}
     env.update(PYTHONNOUSERSITE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    site = pathlib.Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             env=env).stdout.strip())
+    site = pathlib.Path(
+        _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=env).stdout.strip()
+    )
     shared = _share_site_packages(tmp_path / "test-venv-packages")
     (site / "zz_test_venv_packages.pth").write_text(f"{shared}\n", encoding="utf-8")
     # pip comes from the shared packages; it installs into the fresh venv (sys.prefix)
-    _run([python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--disable-pip-version-check", wheel],
-         env=env, cwd=str(tmp_path))
+    _run(
+        [python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--disable-pip-version-check", wheel],
+        env=env,
+        cwd=str(tmp_path),
+    )
 
     found = _run([python, "-c", CHECK_DISTRIBUTIONS], env=env, cwd=str(tmp_path)).stdout.splitlines()
     assert f"DISTRIBUTIONS 1 {__version__}" in found  # the wheel's, not the editable install's
@@ -122,11 +129,28 @@ def test_built_wheel_in_a_fresh_venv_runs_the_example_under_opentelemetry_instru
 
     runner = tmp_path / "run_example.py"
     runner.write_text(RUN_EXAMPLE, encoding="utf-8")
-    done = _run([python, INSTRUMENT, "--traces_exporter", "console", "--metrics_exporter", "none",
-                 "--logs_exporter", "none", python, runner, ROOT / "examples" / "app.py",
-                 "--new-tokens", str(NEW_TOKENS)], env=dict(env, OTEL_SERVICE_NAME="from-wheel"), cwd=str(tmp_path))
-    origin = pathlib.Path(next(line for line in done.stdout.splitlines()
-                               if line.startswith("OTEL_GENERATE_FROM ")).split(" ", 1)[1])
+    done = _run(
+        [
+            python,
+            INSTRUMENT,
+            "--traces_exporter",
+            "console",
+            "--metrics_exporter",
+            "none",
+            "--logs_exporter",
+            "none",
+            python,
+            runner,
+            ROOT / "examples" / "app.py",
+            "--new-tokens",
+            str(NEW_TOKENS),
+        ],
+        env=dict(env, OTEL_SERVICE_NAME="from-wheel"),
+        cwd=str(tmp_path),
+    )
+    origin = pathlib.Path(
+        next(line for line in done.stdout.splitlines() if line.startswith("OTEL_GENERATE_FROM ")).split(" ", 1)[1]
+    )
     assert origin == site / "otel_generate" / "__init__.py"  # the wheel's copy, not the source tree
     assert ROOT not in origin.parents
     requests = [s for s in console_spans(done.stdout) if s["name"].startswith(A.OPERATION_TEXT_COMPLETION + " ")]

@@ -28,6 +28,7 @@ import threading
 
 import pytest
 import torch
+from conftest import prompt
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (
     MetricExporter,
@@ -36,12 +37,10 @@ from opentelemetry.sdk.metrics.export import (
 )
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from otlp_receiver import GRPC, OTLPReceiver, attributes
 
 from otel_generate import GenerateInstrumentor
 from otel_generate import attributes as A
-
-from conftest import prompt
-from otlp_receiver import GRPC, OTLPReceiver, attributes
 
 INSTRUMENT = pathlib.Path(sys.executable).with_name("opentelemetry-instrument")
 #: Subprocess bound: far above what the run needs; only a hang reaches it.
@@ -50,7 +49,7 @@ SUBPROCESS_TIMEOUT_S = 420
 NEVER_BEFORE_EXIT_MS = "600000"
 TASKS = 10
 
-POOL_APP = r'''
+POOL_APP = r"""
 import json, multiprocessing, os, sys
 import torch
 from opentelemetry import trace
@@ -90,7 +89,7 @@ if __name__ == "__main__":
     pool.close()
     pool.join()  # the workers exit by themselves (not terminate(): SIGTERM runs no finalizer)
     print("RESULTS " + json.dumps(results), flush=True)
-'''
+"""
 
 
 def _app_env(**otel):
@@ -106,11 +105,17 @@ def _run_pool_app(tmp_path, method, env, tasks=TASKS, workers=2):
         pytest.skip("opentelemetry-instrument is not installed (opentelemetry-instrumentation)")
     app = tmp_path / "pool_app.py"
     app.write_text(POOL_APP, encoding="utf-8")
-    done = subprocess.run([str(INSTRUMENT), sys.executable, str(app), method, str(tasks), str(workers)],
-                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, env=env, cwd=str(tmp_path))
+    done = subprocess.run(
+        [str(INSTRUMENT), sys.executable, str(app), method, str(tasks), str(workers)],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+        env=env,
+        cwd=str(tmp_path),
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith("RESULTS "))
-    return json.loads(line[len("RESULTS "):]), done
+    return json.loads(line[len("RESULTS ") :]), done
 
 
 @pytest.mark.parametrize(
@@ -119,11 +124,19 @@ def _run_pool_app(tmp_path, method, env, tasks=TASKS, workers=2):
 )
 def test_recycled_pool_workers_deliver_every_request_span_under_opentelemetry_instrument(method, tmp_path):
     with OTLPReceiver() as receiver:
-        results, done = _run_pool_app(tmp_path, method, _app_env(
-            OTEL_SERVICE_NAME="pool-app", OTEL_TRACES_EXPORTER="otlp", OTEL_METRICS_EXPORTER="none",
-            OTEL_LOGS_EXPORTER="none", OTEL_EXPORTER_OTLP_PROTOCOL=GRPC,
-            OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint, OTEL_BSP_SCHEDULE_DELAY=NEVER_BEFORE_EXIT_MS,
-        ))
+        results, done = _run_pool_app(
+            tmp_path,
+            method,
+            _app_env(
+                OTEL_SERVICE_NAME="pool-app",
+                OTEL_TRACES_EXPORTER="otlp",
+                OTEL_METRICS_EXPORTER="none",
+                OTEL_LOGS_EXPORTER="none",
+                OTEL_EXPORTER_OTLP_PROTOCOL=GRPC,
+                OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,
+                OTEL_BSP_SCHEDULE_DELAY=NEVER_BEFORE_EXIT_MS,
+            ),
+        )
         spans = [span for _, _, span in receiver.spans(GRPC)]
     assert "did not finish" not in done.stderr
     assert len(results) == TASKS
@@ -193,20 +206,33 @@ def test_exit_flush_gives_up_after_the_exporter_timeout_when_the_collector_never
     batches = new_tokens + 2  # one span per batch: the task span, the request span, one per step
     endpoint = _SilentEndpoint()
     try:
-        results, done = _run_pool_app(tmp_path, method, _app_env(
-            OTEL_SERVICE_NAME="pool-app", OTEL_TRACES_EXPORTER="otlp", OTEL_METRICS_EXPORTER="none",
-            OTEL_LOGS_EXPORTER="none", OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
-            OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{endpoint.port}", OTEL_EXPORTER_OTLP_TIMEOUT="1",
-            OTEL_BSP_MAX_EXPORT_BATCH_SIZE="1", OTEL_BSP_SCHEDULE_DELAY=NEVER_BEFORE_EXIT_MS,
-            APP_NEW_TOKENS=str(new_tokens),
-        ), tasks=1, workers=1)
+        results, done = _run_pool_app(
+            tmp_path,
+            method,
+            _app_env(
+                OTEL_SERVICE_NAME="pool-app",
+                OTEL_TRACES_EXPORTER="otlp",
+                OTEL_METRICS_EXPORTER="none",
+                OTEL_LOGS_EXPORTER="none",
+                OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+                OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{endpoint.port}",
+                OTEL_EXPORTER_OTLP_TIMEOUT="1",
+                OTEL_BSP_MAX_EXPORT_BATCH_SIZE="1",
+                OTEL_BSP_SCHEDULE_DELAY=NEVER_BEFORE_EXIT_MS,
+                APP_NEW_TOKENS=str(new_tokens),
+            ),
+            tasks=1,
+            workers=1,
+        )
     finally:
         endpoint.close()
     (result,) = results
     assert result["generated"] == new_tokens
     # the worker said it gave up after the bound, and what that cost
-    assert (f"flushing on the way out of process {result['pid']} did not finish (spans within 1 s, the exporter's "
-            "timeout); what was still queued is lost") in done.stderr
+    assert (
+        f"flushing on the way out of process {result['pid']} did not finish (spans within 1 s, the exporter's "
+        "timeout); what was still queued is lost"
+    ) in done.stderr
     # Each export waits the exporter's full 1 s timeout for an answer that never comes; an unbounded
     # flush sends all 30 batches in turn. The bounded one sends the batch in flight when the bound
     # ends, and a forked worker then leaves through os._exit at once.
@@ -293,8 +319,13 @@ def test_forked_workers_flush_the_providers_given_to_instrument_until_uninstrume
     tracer_provider.add_span_processor(
         BatchSpanProcessor(_FileSpanExporter(spans_path), schedule_delay_millis=int(NEVER_BEFORE_EXIT_MS))
     )
-    meter_provider = MeterProvider(metric_readers=[PeriodicExportingMetricReader(
-        _FileMetricExporter(metrics_path), export_interval_millis=int(NEVER_BEFORE_EXIT_MS))])
+    meter_provider = MeterProvider(
+        metric_readers=[
+            PeriodicExportingMetricReader(
+                _FileMetricExporter(metrics_path), export_interval_millis=int(NEVER_BEFORE_EXIT_MS)
+            )
+        ]
+    )
     _INHERITED.update(model=gpt2, tracer_provider=tracer_provider)
     instrumentor = GenerateInstrumentor()
     instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)

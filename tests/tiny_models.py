@@ -18,9 +18,20 @@ def whisper(seed=0):
     """WhisperForConditionalGeneration, 1 encoder and 1 decoder layer, d_model 32, that supports
     ``return_timestamps=True`` (no language detection: no ``lang_to_id``)."""
     config = T.WhisperConfig(
-        encoder_layers=1, decoder_layers=1, d_model=32, encoder_attention_heads=2, decoder_attention_heads=2,
-        encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=80, max_source_positions=1500, max_target_positions=448,
-        vocab_size=51865, eos_token_id=WHISPER_EOS, pad_token_id=WHISPER_EOS, bos_token_id=WHISPER_EOS,
+        encoder_layers=1,
+        decoder_layers=1,
+        d_model=32,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        num_mel_bins=80,
+        max_source_positions=1500,
+        max_target_positions=448,
+        vocab_size=51865,
+        eos_token_id=WHISPER_EOS,
+        pad_token_id=WHISPER_EOS,
+        bos_token_id=WHISPER_EOS,
         decoder_start_token_id=WHISPER_SOT,
     )
     torch.manual_seed(seed)
@@ -38,13 +49,36 @@ def whisper(seed=0):
 
 def blip2(seed=0):
     """Blip2ForConditionalGeneration: its generate() calls ``self.language_model.generate`` (OPT)."""
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=8)
-    qformer = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                   encoder_hidden_size=16, vocab_size=99)
-    text = T.OPTConfig(vocab_size=128, hidden_size=16, ffn_dim=32, num_hidden_layers=1, num_attention_heads=2,
-                       word_embed_proj_dim=16, max_position_embeddings=64, bos_token_id=2, eos_token_id=127, pad_token_id=1)
-    config = T.Blip2Config(vision_config=vision, qformer_config=qformer, text_config=text.to_dict(), num_query_tokens=4,
-                           image_token_index=100)
+    vision = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=8
+    )
+    qformer = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        encoder_hidden_size=16,
+        vocab_size=99,
+    )
+    text = T.OPTConfig(
+        vocab_size=128,
+        hidden_size=16,
+        ffn_dim=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        word_embed_proj_dim=16,
+        max_position_embeddings=64,
+        bos_token_id=2,
+        eos_token_id=127,
+        pad_token_id=1,
+    )
+    config = T.Blip2Config(
+        vision_config=vision,
+        qformer_config=qformer,
+        text_config=text.to_dict(),
+        num_query_tokens=4,
+        image_token_index=100,
+    )
     torch.manual_seed(seed)
     model = T.Blip2ForConditionalGeneration(config).eval()
     for gc in (model.generation_config, model.language_model.generation_config):
@@ -60,9 +94,18 @@ def blip2_inputs():
 def musicgen(seed=0):
     """MusicgenForCausalLM: its generate() runs GenerationMixin's helpers and ``_sample`` itself,
     never ``GenerationMixin.generate``."""
-    config = T.MusicgenDecoderConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32,
-                                     num_codebooks=2, max_position_embeddings=64, pad_token_id=64, bos_token_id=64,
-                                     audio_channels=1)
+    config = T.MusicgenDecoderConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        ffn_dim=32,
+        num_codebooks=2,
+        max_position_embeddings=64,
+        pad_token_id=64,
+        bos_token_id=64,
+        audio_channels=1,
+    )
     torch.manual_seed(seed)
     model = T.MusicgenForCausalLM(config).eval()
     gc = model.generation_config
@@ -80,16 +123,51 @@ def seamless(cls="SeamlessM4TForTextToSpeech", seed=0):
     """SeamlessM4T: ForTextToText calls ``super().generate()`` once; ForTextToSpeech then also calls
     its text-to-unit submodule's ``generate()``, then the vocoder."""
     config = T.SeamlessM4TConfig(
-        vocab_size=64, t2u_vocab_size=32, hidden_size=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, speech_encoder_layers=1,
-        speech_encoder_attention_heads=2, speech_encoder_intermediate_size=32, t2u_encoder_layers=1, t2u_decoder_layers=1,
-        t2u_encoder_attention_heads=2, t2u_decoder_attention_heads=2, t2u_encoder_ffn_dim=32, t2u_decoder_ffn_dim=32,
-        max_position_embeddings=64, t2u_max_position_embeddings=64, unit_hifi_gan_vocab_size=32, unit_embed_dim=8,
-        lang_embed_dim=4, spkr_embed_dim=4, vocoder_num_langs=2, vocoder_num_spkrs=2, upsample_initial_channel=8,
-        upsample_rates=[2, 2], upsample_kernel_sizes=[4, 4], resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3]],
-        variance_predictor_kernel_size=3, var_pred_dropout=0.0, t2u_max_new_tokens=8, pad_token_id=0, bos_token_id=2,
-        eos_token_id=3, decoder_start_token_id=3, t2u_bos_token_id=0, t2u_pad_token_id=1, t2u_eos_token_id=2,
-        t2u_decoder_start_token_id=2, feature_projection_input_dim=16, adaptor_kernel_size=2, adaptor_stride=2,
+        vocab_size=64,
+        t2u_vocab_size=32,
+        hidden_size=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        speech_encoder_layers=1,
+        speech_encoder_attention_heads=2,
+        speech_encoder_intermediate_size=32,
+        t2u_encoder_layers=1,
+        t2u_decoder_layers=1,
+        t2u_encoder_attention_heads=2,
+        t2u_decoder_attention_heads=2,
+        t2u_encoder_ffn_dim=32,
+        t2u_decoder_ffn_dim=32,
+        max_position_embeddings=64,
+        t2u_max_position_embeddings=64,
+        unit_hifi_gan_vocab_size=32,
+        unit_embed_dim=8,
+        lang_embed_dim=4,
+        spkr_embed_dim=4,
+        vocoder_num_langs=2,
+        vocoder_num_spkrs=2,
+        upsample_initial_channel=8,
+        upsample_rates=[2, 2],
+        upsample_kernel_sizes=[4, 4],
+        resblock_kernel_sizes=[3],
+        resblock_dilation_sizes=[[1, 3]],
+        variance_predictor_kernel_size=3,
+        var_pred_dropout=0.0,
+        t2u_max_new_tokens=8,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+        decoder_start_token_id=3,
+        t2u_bos_token_id=0,
+        t2u_pad_token_id=1,
+        t2u_eos_token_id=2,
+        t2u_decoder_start_token_id=2,
+        feature_projection_input_dim=16,
+        adaptor_kernel_size=2,
+        adaptor_stride=2,
         num_adapter_layers=1,
     )
     torch.manual_seed(seed)
@@ -118,12 +196,22 @@ def bark(seed=0):
     )
 
     sub = dict(block_size=1024, num_layers=1, num_heads=2, hidden_size=16)
-    codec = T.EncodecConfig(hidden_size=8, num_filters=2, num_residual_layers=1, upsampling_ratios=[8, 5, 4, 2],
-                            codebook_size=1024, codebook_dim=8, target_bandwidths=[6.0], sampling_rate=24000).to_dict()
+    codec = T.EncodecConfig(
+        hidden_size=8,
+        num_filters=2,
+        num_residual_layers=1,
+        upsampling_ratios=[8, 5, 4, 2],
+        codebook_size=1024,
+        codebook_dim=8,
+        target_bandwidths=[6.0],
+        sampling_rate=24000,
+    ).to_dict()
     config = T.BarkConfig(
         semantic_config=dict(sub, input_vocab_size=129600, output_vocab_size=10048),
         coarse_acoustics_config=dict(sub, input_vocab_size=12096, output_vocab_size=12096),
-        fine_acoustics_config=dict(sub, input_vocab_size=1056, output_vocab_size=1056, n_codes_total=8, n_codes_given=1),
+        fine_acoustics_config=dict(
+            sub, input_vocab_size=1056, output_vocab_size=1056, n_codes_total=8, n_codes_given=1
+        ),
         codec_config=codec,
     )
     torch.manual_seed(seed)
@@ -149,10 +237,23 @@ def mellum_with_mtp(directory, seed=0):
     from safetensors.torch import load_file, save_file
 
     config = T.MellumConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=256, sliding_window=64, num_mtp_layers=1, mtp_layer_types=["full_attention"],
-        bos_token_id=1, eos_token_id=127, pad_token_id=0,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        sliding_window=64,
+        num_mtp_layers=1,
+        mtp_layer_types=["full_attention"],
+        bos_token_id=1,
+        eos_token_id=127,
+        pad_token_id=0,
     )
     torch.manual_seed(seed)
     T.MellumForCausalLM(config).eval().save_pretrained(directory)
@@ -160,7 +261,7 @@ def mellum_with_mtp(directory, seed=0):
     weights = load_file(path)
     last = f"model.layers.{config.num_hidden_layers - 1}."
     for key in [k for k in weights if k.startswith(last)]:  # the MTP block: one more decoder layer
-        weights["mtp.layers.0." + key[len(last):]] = weights[key].clone()
+        weights["mtp.layers.0." + key[len(last) :]] = weights[key].clone()
     hidden = config.hidden_size
     weights["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=torch.Generator().manual_seed(seed + 1)) * 0.02
     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
@@ -173,7 +274,7 @@ def mellum_with_mtp(directory, seed=0):
 
 #: A greedy loop without cache for ``custom_generate``: one full forward per step; it calls the
 #: stopping criteria after each step only when ``call_criteria``.
-LOOP_SOURCE = '''
+LOOP_SOURCE = """
 import torch
 
 
@@ -187,7 +288,7 @@ def loop(model, input_ids, logits_processor=None, stopping_criteria=None, genera
         if call_criteria and stopping_criteria is not None and bool(stopping_criteria(input_ids, logits).all()):
             break
     return input_ids
-'''
+"""
 
 
 def custom_generate_dir(directory, kind):
@@ -200,28 +301,29 @@ def custom_generate_dir(directory, kind):
     os.makedirs(os.path.join(directory, "custom_generate"), exist_ok=True)
     source = LOOP_SOURCE
     if kind == "reenter":
-        source += textwrap.dedent('''
+        source += textwrap.dedent("""
             from transformers.generation.utils import GenerationMixin
 
 
             def generate(model, *args, **kwargs):
                 return GenerationMixin.generate(model, *args, custom_generate=loop, **kwargs)
-        ''')
+        """)
     elif kind == "reenter_blind":
-        source += textwrap.dedent('''
-            import functools
+        source += textwrap.dedent("""
             from transformers.generation.utils import GenerationMixin
 
 
-            def blind(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, **kwargs):
-                return loop(model, input_ids, logits_processor, stopping_criteria, generation_config, call_criteria=False)
+            def blind(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
+                      **kwargs):
+                return loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                            call_criteria=False)
 
 
             def generate(model, *args, **kwargs):
                 return GenerationMixin.generate(model, *args, custom_generate=blind, **kwargs)
-        ''')
+        """)
     elif kind == "own_loop":
-        source += textwrap.dedent('''
+        source += textwrap.dedent("""
             class _Budget:
                 def __init__(self, max_new_tokens):
                     self.max_new_tokens = max_new_tokens
@@ -229,7 +331,7 @@ def custom_generate_dir(directory, kind):
 
             def generate(model, inputs=None, max_new_tokens=None, attention_mask=None, **kwargs):
                 return loop(model, inputs, generation_config=_Budget(max_new_tokens), call_criteria=False)
-        ''')
+        """)
     else:
         raise ValueError(f"unknown kind {kind!r}")
     with open(os.path.join(directory, "custom_generate", "generate.py"), "w", encoding="utf-8") as handle:

@@ -41,57 +41,116 @@ BENCH_DESCRIPTION = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` subcommand's options."""
-    parser.add_argument("--device", choices=DEVICES, default="cpu",
-                        help="where to run: cpu, cuda, or auto (cuda if available, else cpu); default cpu")
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where to run: cpu, cuda, or auto (cuda if available, else cpu); default cpu",
+    )
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", metavar="PATH",
-                        help="local checkpoint directory (from_pretrained, local files only); "
-                             "default: a small random-weight GPT-2-architecture model built locally")
-    source.add_argument("--model-config", metavar="PATH",
-                        help="random-weight model of this transformers config.json (a file or a directory "
-                             "holding one), initialised on the device; nothing is downloaded")
+    source.add_argument(
+        "--model",
+        metavar="PATH",
+        help="local checkpoint directory (from_pretrained, local files only); "
+        "default: a small random-weight GPT-2-architecture model built locally",
+    )
+    source.add_argument(
+        "--model-config",
+        metavar="PATH",
+        help="random-weight model of this transformers config.json (a file or a directory "
+        "holding one), initialised on the device; nothing is downloaded",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=4, metavar="N", help="prompt length in tokens (default 4)")
     parser.add_argument("--new-tokens", type=int, default=8, metavar="N", help="max_new_tokens (default 8)")
-    parser.add_argument("--batch-size", type=int, default=1, metavar="N", help="prompts per generate() call (default 1)")
+    parser.add_argument(
+        "--batch-size", type=int, default=1, metavar="N", help="prompts per generate() call (default 1)"
+    )
     parser.add_argument("--warmup", type=int, default=2, metavar="N", help="unmeasured runs first (default 2)")
-    parser.add_argument("--runs", type=int, default=5, metavar="N",
-                        help="measured runs (default 5); with --compare also the number of A/B pairs")
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=5,
+        metavar="N",
+        help="measured runs (default 5); with --compare also the number of A/B pairs",
+    )
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype (default float32)")
-    parser.add_argument("--threads", type=int, default=1, metavar="N",
-                        help="torch CPU threads, torch.set_num_threads (default 1); also the bench's own "
-                             "share of the load average when it judges whether the machine was busy")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="torch CPU threads, torch.set_num_threads (default 1); also the bench's own "
+        "share of the load average when it judges whether the machine was busy",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and the prompt (default 0)")
-    parser.add_argument("--eos", nargs="?", const=MODEL_EOS, default=None, metavar="TOKEN_ID",
-                        help="let EOS stop generation: the model's EOS id, or TOKEN_ID if given "
-                             "(default: EOS disabled, every run generates --new-tokens tokens)")
+    parser.add_argument(
+        "--eos",
+        nargs="?",
+        const=MODEL_EOS,
+        default=None,
+        metavar="TOKEN_ID",
+        help="let EOS stop generation: the model's EOS id, or TOKEN_ID if given "
+        "(default: EOS disabled, every run generates --new-tokens tokens)",
+    )
     parser.add_argument("--output", metavar="PATH", help="write the JSON result here ('-' for stdout)")
-    parser.add_argument("--plot", metavar="PATH",
-                        help="write the per-token latency of the measured runs (median and interquartile band "
-                             f"per token index, prefill marked) in the format of the extension: "
-                             f"{', '.join('.' + e for e in PLOT_FORMATS)} (needs matplotlib)")
-    parser.add_argument("--compare", action="store_true",
-                        help="also time plain vs instrumented generate(), interleaved A B A B, --runs pairs; "
-                             "the work each instrumented call defers (span export, metric collection) is "
-                             "finished outside the timers and reported both apart and charged to that call")
-    parser.add_argument("--exporter", choices=EXPORTERS, default="discard",
-                        help="--compare's (and --continuous-batching's) exporter: discard (count spans and drop them, default) or otlp-encode "
-                             "(encode every span batch and metric collection as OTLP protobuf, as a real OTLP "
-                             "exporter does, count the bytes and drop them)")
-    parser.add_argument("--max-step-spans", type=int, default=None, metavar="N",
-                        help="--compare, --continuous-batching: instrument(max_step_spans=N), at most N step spans per request "
-                             "(0: none); default: the instrumentation's own (OTEL_GENERATE_MAX_STEP_SPANS or 1024)")
-    parser.add_argument("--step-spans", choices=("all", "none", "slow"), default=None,
-                        help="--compare: instrument(step_spans=...), which requests get step spans; default: the "
-                             "instrumentation's own (OTEL_GENERATE_STEP_SPANS or all)")
-    parser.add_argument("--background-emission", action="store_true",
-                        help="--compare: instrument(background_emission=True), spans built on a worker thread; the "
-                             "flush after each instrumented call (outside its timer) waits for them and is charged to it")
-    parser.add_argument("--continuous-batching", action="store_true",
-                        help="time transformers' continuous batching instead: waves of --requests requests on one "
-                             "persistent manager, plain and instrumented interleaved A B A B (--runs pairs); "
-                             "throughput and the added cost per batch step (transformers 5.17 or newer)")
-    parser.add_argument("--requests", type=int, default=None, metavar="N",
-                        help="--continuous-batching: requests per run, submitted at once (default 16)")
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write the per-token latency of the measured runs (median and interquartile band "
+        f"per token index, prefill marked) in the format of the extension: "
+        f"{', '.join('.' + e for e in PLOT_FORMATS)} (needs matplotlib)",
+    )
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="also time plain vs instrumented generate(), interleaved A B A B, --runs pairs; "
+        "the work each instrumented call defers (span export, metric collection) is "
+        "finished outside the timers and reported both apart and charged to that call",
+    )
+    parser.add_argument(
+        "--exporter",
+        choices=EXPORTERS,
+        default="discard",
+        help="--compare's (and --continuous-batching's) exporter: discard (count spans and drop them, default) "
+        "or otlp-encode "
+        "(encode every span batch and metric collection as OTLP protobuf, as a real OTLP "
+        "exporter does, count the bytes and drop them)",
+    )
+    parser.add_argument(
+        "--max-step-spans",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--compare, --continuous-batching: instrument(max_step_spans=N), at most N step spans per request "
+        "(0: none); default: the instrumentation's own (OTEL_GENERATE_MAX_STEP_SPANS or 1024)",
+    )
+    parser.add_argument(
+        "--step-spans",
+        choices=("all", "none", "slow"),
+        default=None,
+        help="--compare: instrument(step_spans=...), which requests get step spans; default: the "
+        "instrumentation's own (OTEL_GENERATE_STEP_SPANS or all)",
+    )
+    parser.add_argument(
+        "--background-emission",
+        action="store_true",
+        help="--compare: instrument(background_emission=True), spans built on a worker thread; the "
+        "flush after each instrumented call (outside its timer) waits for them and is charged to it",
+    )
+    parser.add_argument(
+        "--continuous-batching",
+        action="store_true",
+        help="time transformers' continuous batching instead: waves of --requests requests on one "
+        "persistent manager, plain and instrumented interleaved A B A B (--runs pairs); "
+        "throughput and the added cost per batch step (transformers 5.17 or newer)",
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--continuous-batching: requests per run, submitted at once (default 16)",
+    )
 
 
 def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> BenchConfig:
@@ -165,13 +224,13 @@ def summary_text(result: Dict[str, Any]) -> str:
         f"new tokens per run: {', '.join(map(str, tokens))}",
         f"  elapsed      median {r('elapsed_s', '.3f', 1e3, 'ms')} "
         f"(min {min(elapsed) * 1e3:.3f}, max {max(elapsed) * 1e3:.3f})",
-        f"  tokens/s     median {r('tokens_per_s', '.1f')} "
-        f"(min {min(rates):.1f}, max {max(rates):.1f})",
+        f"  tokens/s     median {r('tokens_per_s', '.1f')} (min {min(rates):.1f}, max {max(rates):.1f})",
         f"  time to first token    median {r('time_to_first_token_ms', '.3f', unit='ms')}",
         f"  time per output token  median {r('time_per_output_token_ms', '.3f', unit='ms')}",
     ]
     cmp = result.get("compare")
     if cmp:
+
         def m(name: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
             return _median_iqr(cmp[f"median_{name}"], cmp[f"iqr_{name}"], fmt, scale, unit)
 
@@ -238,6 +297,7 @@ def main_bench(config: BenchConfig, stdout: Any = None, stderr: Any = None) -> i
         stdout.write(text + "\n")
         stdout.flush()
     elif config.output is not None:
+
         def write_json(tmp: str) -> None:
             with open(tmp, "w", encoding="utf-8") as handle:
                 handle.write(text + "\n")

@@ -33,7 +33,7 @@ import gc
 import math
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from otel_generate.bench import harness as H
 from otel_generate.clock import synchronizer_for
@@ -88,7 +88,9 @@ class _Waves:
         self.prompts: List[List[int]] = inputs["input_ids"].tolist()
         pad = getattr(self.model.generation_config, "pad_token_id", None)
         self.generation_config = GenerationConfig(
-            max_new_tokens=config.new_tokens, do_sample=False, num_beams=1,
+            max_new_tokens=config.new_tokens,
+            do_sample=False,
+            num_beams=1,
             eos_token_id=list(self.eos) if self.eos else -1,  # -1: no EOS (None would fall back to the model's)
             pad_token_id=pad,
         )
@@ -123,8 +125,10 @@ class _Waves:
             self.synchronize()
         steps_before = manager.current_batch
         start = self.clock()
-        ids = [manager.add_request(prompt, max_new_tokens=self.config.new_tokens, eos_token_id=eos)
-               for prompt in self.prompts]
+        ids = [
+            manager.add_request(prompt, max_new_tokens=self.config.new_tokens, eos_token_id=eos)
+            for prompt in self.prompts
+        ]
         pending = set(ids)
         outputs: Dict[str, Any] = {}
         deadline = time.monotonic() + WAVE_TIMEOUT_S
@@ -240,7 +244,8 @@ def compare_waves(waves: _Waves, monitor: Optional[H.LoadMonitor] = None) -> Dic
             "GenerateInstrumentor().instrument(tracer_provider=SDK TracerProvider + BatchSpanProcessor + "
             f"{config.exporter} exporter, meter_provider=SDK MeterProvider"
             + (f", max_step_spans={config.max_step_spans}" if config.max_step_spans is not None else "")
-            + (f", step_spans={config.step_spans!r}" if config.step_spans is not None else "") + ")"
+            + (f", step_spans={config.step_spans!r}" if config.step_spans is not None else "")
+            + ")"
         ),
         "deferred": (
             "after each instrumented run, outside its timer: tracer_provider.force_flush() (drains the background "
@@ -266,30 +271,38 @@ def compare_waves(waves: _Waves, monitor: Optional[H.LoadMonitor] = None) -> Dic
         ],
     }
     for name, key in (
-        ("plain_elapsed_s", "plain_elapsed_s"), ("instrumented_elapsed_s", "instrumented_elapsed_s"),
-        ("instrumented_deferred_s", "instrumented_deferred_s"), ("plain_tokens_per_s", "plain_tokens_per_s"),
+        ("plain_elapsed_s", "plain_elapsed_s"),
+        ("instrumented_elapsed_s", "instrumented_elapsed_s"),
+        ("instrumented_deferred_s", "instrumented_deferred_s"),
+        ("plain_tokens_per_s", "plain_tokens_per_s"),
         ("instrumented_tokens_per_s", "instrumented_tokens_per_s"),
         ("instrumented_tokens_per_s_with_deferred", "instrumented_tokens_per_s_with_deferred"),
-        ("paired_ratio", "paired_ratios"), ("paired_ratio_with_deferred", "paired_ratios_with_deferred"),
+        ("paired_ratio", "paired_ratios"),
+        ("paired_ratio_with_deferred", "paired_ratios_with_deferred"),
         ("added_us_per_batch_step", "added_us_per_batch_step"),
         ("added_us_per_batch_step_with_deferred", "added_us_per_batch_step_with_deferred"),
         ("plain_batch_steps", "plain_batch_steps"),
     ):
         H._with_iqr(result, name, result[key])
-    result.update({
-        "spans_exported": spans_exported,
-        "max_step_spans": max_step_spans,
-        "step_spans": policy,
-        # per run and request: the request span + one span per step (one prefill step, then one per further
-        # token); the step-span policy emits none (none) or only some (slow: not predictable, None)
-        "spans_expected": (
-            config.runs * sum(1 + min(n, max_step_spans) for n in per_request_tokens) if policy == "all"
-            else config.runs * len(per_request_tokens) if policy == "none" else None
-        ),
-        "exported_bytes": exported_bytes,
-        "flushes_complete": flushes_complete,
-        "outputs_identical": identical,
-    })
+    result.update(
+        {
+            "spans_exported": spans_exported,
+            "max_step_spans": max_step_spans,
+            "step_spans": policy,
+            # per run and request: the request span + one span per step (one prefill step, then one per further
+            # token); the step-span policy emits none (none) or only some (slow: not predictable, None)
+            "spans_expected": (
+                config.runs * sum(1 + min(n, max_step_spans) for n in per_request_tokens)
+                if policy == "all"
+                else config.runs * len(per_request_tokens)
+                if policy == "none"
+                else None
+            ),
+            "exported_bytes": exported_bytes,
+            "flushes_complete": flushes_complete,
+            "outputs_identical": identical,
+        }
+    )
     return result
 
 
@@ -331,7 +344,8 @@ def run(config: H.BenchConfig, clock: Callable[[], float] = time.perf_counter) -
             "seed": config.seed,
             "eos_token_id": waves.eos,
             "continuous_batching_config": dict(waves.sizes),
-            "synchronize": f"{device} synchronize before and after each run" if waves.synchronize is not None
+            "synchronize": f"{device} synchronize before and after each run"
+            if waves.synchronize is not None
             else "none needed (cpu: eager work has finished when ops return)",
             "timer": "time.perf_counter from the first add_request to the last finished output of a wave",
             "compare": compared,
@@ -366,7 +380,8 @@ def summary_text(result: Dict[str, Any], median_iqr: Callable[..., str]) -> str:
         f"  {cmp['pairs']} pairs after {result['warmup']} warmup pairs, plain / instrumented interleaved A B A B, "
         f"exporter {cmp['exporter']}, max_step_spans {cmp['max_step_spans']}, step spans {cmp['step_spans']}",
         f"  batch steps per run  median {m('plain_batch_steps', '.0f')}",
-        f"    plain         median {m('plain_elapsed_s', '.3f', 1e3, 'ms')}, {m('plain_tokens_per_s', '.1f', unit='tokens/s')}",
+        f"    plain         median {m('plain_elapsed_s', '.3f', 1e3, 'ms')}, "
+        f"{m('plain_tokens_per_s', '.1f', unit='tokens/s')}",
         f"    instrumented  median {m('instrumented_elapsed_s', '.3f', 1e3, 'ms')} caller-visible, "
         f"{m('instrumented_tokens_per_s', '.1f', unit='tokens/s')}; "
         f"+ {m('instrumented_deferred_s', '.3f', 1e3, 'ms')} deferred (flush after the run)",

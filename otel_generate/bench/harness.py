@@ -183,12 +183,16 @@ class BenchConfig:
             if self.requests < 1:
                 raise BenchUsageError(f"--requests must be at least 1, got {self.requests}")
             if self.batch_size != 1:
-                raise BenchUsageError("--batch-size does not apply to --continuous-batching (each request is one "
-                                      "prompt); use --requests")
+                raise BenchUsageError(
+                    "--batch-size does not apply to --continuous-batching (each request is one prompt); use --requests"
+                )
             if self.plot is not None:
                 raise BenchUsageError("--plot does not apply to --continuous-batching")
-            _require("opentelemetry.sdk", "--continuous-batching needs the OpenTelemetry SDK: pip install "
-                     "opentelemetry-sdk (the package's [bench] extra)")
+            _require(
+                "opentelemetry.sdk",
+                "--continuous-batching needs the OpenTelemetry SDK: pip install "
+                "opentelemetry-sdk (the package's [bench] extra)",
+            )
         elif self.requests is not None:
             raise BenchUsageError("--requests applies to --continuous-batching; add --continuous-batching")
         if not self.compare and not self.continuous_batching:
@@ -199,9 +203,13 @@ class BenchConfig:
             if self.step_spans is not None:
                 raise BenchUsageError("--step-spans applies to the instrumented runs of --compare; add --compare")
             if self.background_emission:
-                raise BenchUsageError("--background-emission applies to the instrumented runs of --compare; add --compare")
+                raise BenchUsageError(
+                    "--background-emission applies to the instrumented runs of --compare; add --compare"
+                )
         if self.step_spans is not None and self.step_spans not in STEP_SPAN_POLICIES:
-            raise BenchUsageError(f"--step-spans must be one of {', '.join(STEP_SPAN_POLICIES)}, got {self.step_spans!r}")
+            raise BenchUsageError(
+                f"--step-spans must be one of {', '.join(STEP_SPAN_POLICIES)}, got {self.step_spans!r}"
+            )
         for option, path in (("--output", self.output), ("--plot", self.plot)):
             if path is None or path == "-" and option == "--output":
                 continue
@@ -223,12 +231,15 @@ class BenchConfig:
             except ImportError:
                 raise BenchUsageError(MATPLOTLIB_MISSING) from None
         if self.compare:
-            _require("opentelemetry.sdk", "--compare needs the OpenTelemetry SDK: pip install opentelemetry-sdk "
-                     "(the package's [bench] extra)")
+            _require(
+                "opentelemetry.sdk",
+                "--compare needs the OpenTelemetry SDK: pip install opentelemetry-sdk (the package's [bench] extra)",
+            )
         if self.exporter == "otlp-encode":
-            _require("opentelemetry.exporter.otlp.proto.common",
-                     "--exporter otlp-encode needs opentelemetry-exporter-otlp-proto-common "
-                     "(the package's [bench] extra)")
+            _require(
+                "opentelemetry.exporter.otlp.proto.common",
+                "--exporter otlp-encode needs opentelemetry-exporter-otlp-proto-common (the package's [bench] extra)",
+            )
 
 
 def _require(module: str, message: str) -> None:
@@ -303,9 +314,7 @@ def check_lengths(prompt_tokens: int, new_tokens: int, positions: Optional[int])
     if positions is None:
         return
     if prompt_tokens > positions:
-        raise BenchUsageError(
-            f"--prompt-tokens {prompt_tokens} is longer than the model's {positions} positions"
-        )
+        raise BenchUsageError(f"--prompt-tokens {prompt_tokens} is longer than the model's {positions} positions")
     if prompt_tokens + new_tokens - 1 > positions:
         raise BenchUsageError(
             f"--prompt-tokens {prompt_tokens} plus --new-tokens {new_tokens} need {prompt_tokens + new_tokens - 1} "
@@ -340,7 +349,9 @@ def build_bench_model(config: BenchConfig, device: str) -> Any:
                 data = json.load(handle)
             model_type = data.pop("model_type")
         except (OSError, ValueError, KeyError) as exc:
-            raise BenchUsageError(f"--model-config {config.model_config!r}: not a transformers config.json ({exc})")
+            raise BenchUsageError(
+                f"--model-config {config.model_config!r}: not a transformers config.json ({exc})"
+            ) from None
         model_config = transformers.AutoConfig.for_model(model_type, **data)
         cls = (
             transformers.AutoModelForSeq2SeqLM
@@ -380,7 +391,9 @@ def special_token_ids(model: Any) -> List[int]:
     return sorted(ids)
 
 
-def make_inputs(model: Any, batch_size: int, prompt_tokens: int, seed: int, avoid: Sequence[int] = ()) -> Dict[str, Any]:
+def make_inputs(
+    model: Any, batch_size: int, prompt_tokens: int, seed: int, avoid: Sequence[int] = ()
+) -> Dict[str, Any]:
     """A random prompt of ``(batch_size, prompt_tokens)`` ids and its all-ones attention mask.
 
     Ids are drawn with ``torch.Generator().manual_seed(seed)`` from the model's vocabulary minus
@@ -919,10 +932,12 @@ def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str,
     added_deferred = [(b + d - a) / n * 1e6 for a, b, d, n in zip(plain_s, instr_s, deferred, steps)]
     instrumented_description = (
         "GenerateInstrumentor().instrument(tracer_provider=SDK TracerProvider + BatchSpanProcessor + "
-        + ("discarding SpanExporter, meter_provider=SDK MeterProvider + InMemoryMetricReader"
-           if config.exporter == "discard" else
-           "SpanExporter that encodes OTLP protobuf and discards the bytes, meter_provider=SDK MeterProvider + "
-           "PeriodicExportingMetricReader whose exporter encodes OTLP protobuf and discards the bytes")
+        + (
+            "discarding SpanExporter, meter_provider=SDK MeterProvider + InMemoryMetricReader"
+            if config.exporter == "discard"
+            else "SpanExporter that encodes OTLP protobuf and discards the bytes, meter_provider=SDK MeterProvider + "
+            "PeriodicExportingMetricReader whose exporter encodes OTLP protobuf and discards the bytes"
+        )
         + (f", max_step_spans={config.max_step_spans}" if config.max_step_spans is not None else "")
         + (f", step_spans={config.step_spans!r}" if config.step_spans is not None else "")
         + (", background_emission=True" if config.background_emission else "")
@@ -968,8 +983,11 @@ def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str,
             # step-span policy emits none (none) or only some (slow: not predictable, None)
             "step_spans": policy,
             "spans_expected": (
-                sum(1 + min(n, max_step_spans) for n in steps) if policy == "all"
-                else len(steps) if policy == "none" else None
+                sum(1 + min(n, max_step_spans) for n in steps)
+                if policy == "all"
+                else len(steps)
+                if policy == "none"
+                else None
             ),
             "exported_bytes": exported_bytes,
             "exported_metric_bytes": metric_bytes,
@@ -1034,7 +1052,8 @@ def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> 
             "threads": torch.get_num_threads(),
             "seed": config.seed,
             "eos_token_id": runner.eos,
-            "synchronize": f"{device} synchronize before each clock read" if runner.synchronize is not None
+            "synchronize": f"{device} synchronize before each clock read"
+            if runner.synchronize is not None
             else "none needed (cpu: eager work has finished when ops return)",
             "timer": "time.perf_counter around one complete generate(), synchronized before and after",
             "measured_runs": MEASURED_RUNS,

@@ -43,15 +43,26 @@ def build_model(architecture: str = "gpt2", seed: int = 0, max_positions: int = 
         cls = transformers.GPT2LMHeadModel
     elif architecture == "llama":
         cfg = transformers.LlamaConfig(
-            vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=max_positions,
+            vocab_size=VOCAB_SIZE,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=max_positions,
             **{**ids, **config},
         )
         cls = transformers.LlamaForCausalLM
     elif architecture == "t5":
         cfg = transformers.T5Config(
-            vocab_size=VOCAB_SIZE, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
-            decoder_start_token_id=PAD_TOKEN_ID, **{**ids, **config},
+            vocab_size=VOCAB_SIZE,
+            d_model=32,
+            d_kv=16,
+            d_ff=64,
+            num_layers=2,
+            num_heads=2,
+            decoder_start_token_id=PAD_TOKEN_ID,
+            **{**ids, **config},
         )
         cls = transformers.T5ForConditionalGeneration
     else:
@@ -64,7 +75,8 @@ def build_model(architecture: str = "gpt2", seed: int = 0, max_positions: int = 
 
 
 def dtype_keyword() -> str:
-    """The dtype keyword of ``from_pretrained``/``from_config``: ``dtype`` from transformers 4.56, ``torch_dtype`` before."""
+    """The dtype keyword of ``from_pretrained``/``from_config``: ``dtype`` from transformers 4.56,
+    ``torch_dtype`` before."""
     import transformers
 
     major, minor = (int(part) for part in transformers.__version__.split(".")[:2])

@@ -55,15 +55,24 @@ def plot_latencies(result: Dict[str, Any], path: str, fmt: Optional[str] = None)
     if rows:
         xs = [r["token_index"] for r in rows]
         axes.fill_between(
-            xs, [r["q1_ms"] for r in rows], [r["q3_ms"] for r in rows],
-            alpha=0.3, linewidth=0, label="interquartile range (25th-75th percentile)",
+            xs,
+            [r["q1_ms"] for r in rows],
+            [r["q3_ms"] for r in rows],
+            alpha=0.3,
+            linewidth=0,
+            label="interquartile range (25th-75th percentile)",
         )
         axes.plot(xs, [r["median_ms"] for r in rows], linewidth=1.5, label=f"median of {runs} measured run(s)")
         first = rows[0]
         axes.errorbar(
-            [first["token_index"]], [first["median_ms"]],
+            [first["token_index"]],
+            [first["median_ms"]],
             yerr=[[first["median_ms"] - first["q1_ms"]], [first["q3_ms"] - first["median_ms"]]],
-            linestyle="none", marker="o", color="red", markersize=7, capsize=3,
+            linestyle="none",
+            marker="o",
+            color="red",
+            markersize=7,
+            capsize=3,
             label="first token: prefill (median, IQR)",
         )
     axes.set_xlabel("token index")

@@ -130,8 +130,21 @@ class _Record:
     """What is known about one submitted request (and its ``num_return_sequences`` children)."""
 
     __slots__ = (
-        "request_id", "span", "start_ns", "start_wall_ns", "timed", "profilers", "parameters", "eos",
-        "sequences", "steps", "outputs", "cancelled_ns", "group", "input_tokens", "last_body",
+        "request_id",
+        "span",
+        "start_ns",
+        "start_wall_ns",
+        "timed",
+        "profilers",
+        "parameters",
+        "eos",
+        "sequences",
+        "steps",
+        "outputs",
+        "cancelled_ns",
+        "group",
+        "input_tokens",
+        "last_body",
     )
 
     def __init__(self, request_id: str, start_ns: int, start_wall_ns: int, sequences: int) -> None:
@@ -416,9 +429,15 @@ class _ManagerState:
                     continue  # the group reports the row as missing
                 # the span still ends, marked incomplete; the other requests are not affected
                 request = Request(
-                    model=self.model_name, start_ns=record.start_ns, start_wall_ns=record.start_wall_ns,
-                    timed=record.timed, device=self.device, parameters=dict(record.parameters),
-                    request_id=record.request_id, incomplete=True, end_ns=max(clock.monotonic_ns(), record.start_ns),
+                    model=self.model_name,
+                    start_ns=record.start_ns,
+                    start_wall_ns=record.start_wall_ns,
+                    timed=record.timed,
+                    device=self.device,
+                    parameters=dict(record.parameters),
+                    request_id=record.request_id,
+                    incomplete=True,
+                    end_ns=max(clock.monotonic_ns(), record.start_ns),
                 )
             out.append((record, request))
         return out
@@ -593,9 +612,11 @@ class PagedGroup:
             emitter = state.telemetry.emitter
             for record, request in leftovers:  # another caller's requests: not this thread's work
                 if emitter is not None:
-                    emitter.submit(functools.partial(
-                        emit.finish, state.telemetry, record.span, request, record.profilers, YIELD_EVERY
-                    ))
+                    emitter.submit(
+                        functools.partial(
+                            emit.finish, state.telemetry, record.span, request, record.profilers, YIELD_EVERY
+                        )
+                    )
         with self._lock:
             records = list(self.records)
             done = dict(self.done)
@@ -740,8 +761,9 @@ def make_add_request(original: Callable, telemetry: emit.Telemetry) -> Callable:
                 record.timed = group.loop.call.timed
                 group.submitted(state, record)
             else:
-                record.span = emit.start_request_span(telemetry, state.model_name, context=context,
-                                                      start_time=start_wall_ns)
+                record.span = emit.start_request_span(
+                    telemetry, state.model_name, context=context, start_time=start_wall_ns
+                )
                 record.profilers = tuple(telemetry.profilers())
                 record.timed = record.span.is_recording() or bool(record.profilers)
             state.register(record)
@@ -753,8 +775,16 @@ def make_add_request(original: Callable, telemetry: emit.Telemetry) -> Callable:
     return add_request
 
 
-def _record(telemetry: emit.Telemetry, manager: Any, signature: inspect.Signature, args: tuple, kwargs: dict,
-            request_id: str, start_ns: int, start_wall_ns: int) -> _Record:
+def _record(
+    telemetry: emit.Telemetry,
+    manager: Any,
+    signature: inspect.Signature,
+    args: tuple,
+    kwargs: dict,
+    request_id: str,
+    start_ns: int,
+    start_wall_ns: int,
+) -> _Record:
     bound = signature.bind(manager, *args, **kwargs).arguments
     config = manager.generation_config
     max_new = bound.get("max_new_tokens")
@@ -845,8 +875,11 @@ def _make_deliver(original: Callable, telemetry: emit.Telemetry, single: bool) -
     @functools.wraps(original)
     def deliver(self, *args, **kwargs):
         state = self.__dict__.get(STATE_ATTR)
-        if state is not None and state.telemetry is telemetry and telemetry.active and (
-            state.records or state.submitting
+        if (
+            state is not None
+            and state.telemetry is telemetry
+            and telemetry.active
+            and (state.records or state.submitting)
         ):
             try:
                 outputs = args[0] if args else kwargs.get("output" if single else "outputs")

@@ -51,7 +51,12 @@ LOGPROB_STRATEGIES = (A.STRATEGY_GREEDY, A.STRATEGY_SAMPLE)
 
 
 def _is_id_tensor(value: Any) -> bool:
-    return hasattr(value, "dim") and hasattr(value, "is_floating_point") and value.dim() == 2 and not value.is_floating_point()
+    return (
+        hasattr(value, "dim")
+        and hasattr(value, "is_floating_point")
+        and value.dim() == 2
+        and not value.is_floating_point()
+    )
 
 
 def tokenizer_of(call: Any) -> Any:
@@ -93,17 +98,26 @@ def _fill(call: Any, loops: Sequence[Any], result: Any) -> None:
                     request.input_messages = input_messages(prompts)
             counts = request.output_tokens_per_sequence
             if single is not None:
-                sequences, prompt_length = generate_loop._sequences(single.result if single.result is not None else result), single.prompt_length
+                sequences, prompt_length = (
+                    generate_loop._sequences(single.result if single.result is not None else result),
+                    single.prompt_length,
+                )
                 if sequences is not None and prompt_length is not None and len(counts) == int(sequences.shape[0]):
                     rows = sequences[:, prompt_length:].tolist()
-                    texts = [tokenizer.decode(row[:count], skip_special_tokens=True) for row, count in zip(rows, counts)]
+                    texts = [
+                        tokenizer.decode(row[:count], skip_special_tokens=True) for row, count in zip(rows, counts)
+                    ]
                     request.output_messages = output_messages(texts, request.finish_reasons)
             elif loops:
                 # several inner calls (Whisper's windows): the text is what the user's call returned
                 sequences = generate_loop._sequences(result)
                 if sequences is not None and _is_id_tensor(sequences):
                     texts = [tokenizer.decode(row, skip_special_tokens=True) for row in sequences.tolist()]
-                    reasons = request.finish_reasons if request.finish_reasons and len(request.finish_reasons) == len(texts) else None
+                    reasons = (
+                        request.finish_reasons
+                        if request.finish_reasons and len(request.finish_reasons) == len(texts)
+                        else None
+                    )
                     request.output_messages = output_messages(texts, reasons)
     if options.step_content and recording and request.timed:
         cap = call.telemetry.max_step_spans
@@ -116,7 +130,12 @@ def _fill(call: Any, loops: Sequence[Any], result: Any) -> None:
             token_ids.extend(_step_token_ids(sequences, loop.prompt_length, loop.step_tokens))
         if any(token_ids):
             request.step_token_ids = token_ids[:cap]
-        if options.step_logprobs and single is not None and single.step_logprobs is not None and all(t == 1 for t in request.step_tokens):
+        if (
+            options.step_logprobs
+            and single is not None
+            and single.step_logprobs is not None
+            and all(t == 1 for t in request.step_tokens)
+        ):
             sequences = generate_loop._sequences(single.result if single.result is not None else result)
             steps = min(len(request.step_tokens), cap)
             if sequences is not None and single.prompt_length is not None:
@@ -149,7 +168,7 @@ def _step_token_ids(sequences: Any, prompt_length: int, step_tokens: List[int]) 
     out = []
     position = 0
     for count in step_tokens:
-        out.append([token for row in rows for token in row[position:position + count]])
+        out.append([token for row in rows for token in row[position : position + count]])
         position += count
     return out
 

@@ -67,7 +67,10 @@ _ROW_ALIGNED = (A.STRATEGY_GREEDY, A.STRATEGY_SAMPLE, A.STRATEGY_ASSISTED, A.STR
 #: Decoding methods that transformers 5.x runs as ``custom_generate`` repositories: their name
 #: is kept as the strategy when their repository's loop runs.
 _HUB_MODES = (
-    A.STRATEGY_CONTRASTIVE_SEARCH, A.STRATEGY_GROUP_BEAM_SEARCH, A.STRATEGY_CONSTRAINED_BEAM_SEARCH, A.STRATEGY_DOLA,
+    A.STRATEGY_CONTRASTIVE_SEARCH,
+    A.STRATEGY_GROUP_BEAM_SEARCH,
+    A.STRATEGY_CONSTRAINED_BEAM_SEARCH,
+    A.STRATEGY_DOLA,
 )
 
 #: Keywords this package adds to ``generate()``; they never reach transformers.
@@ -102,7 +105,9 @@ def strategy_of(generation_config: Any, assistant_model: Any) -> str:
         return A.STRATEGY_GROUP_BEAM_SEARCH
     if getattr(generation_config, "dola_layers", None) is not None:
         return A.STRATEGY_DOLA
-    if (getattr(generation_config, "penalty_alpha", None) or 0) > 0 and (getattr(generation_config, "top_k", 1) or 1) > 1:
+    if (getattr(generation_config, "penalty_alpha", None) or 0) > 0 and (
+        getattr(generation_config, "top_k", 1) or 1
+    ) > 1:
         return A.STRATEGY_CONTRASTIVE_SEARCH
     if beams > 1:
         return A.STRATEGY_BEAM_SAMPLE if sampling else A.STRATEGY_BEAM_SEARCH
@@ -172,12 +177,18 @@ class Call:
         self.args = args
         self.kwargs = kwargs
         self.callback: Optional[Callable[[int, float], None]] = extras.get(CALLBACK_KWARG)
-        track = extras[TRACK_KWARG] if TRACK_KWARG in extras else getattr(self._user_generation_config(), TRACK_KWARG, False)
+        track = (
+            extras[TRACK_KWARG]
+            if TRACK_KWARG in extras
+            else getattr(self._user_generation_config(), TRACK_KWARG, False)
+        )
         self.track = bool(track)  # the generate() keyword overrides the GenerationConfig, as for every option
         self.profilers = tuple(telemetry.profilers())
         self.name = model_name(model)
         self.loops: List[Loop] = []
-        self.custom_generate = custom_generate_name(custom_generate if custom_generate is not None else kwargs.get("custom_generate"))
+        self.custom_generate = custom_generate_name(
+            custom_generate if custom_generate is not None else kwargs.get("custom_generate")
+        )
         self.sync: Optional[Callable[[], None]] = None
         self.streamer: Optional[_TimedStreamer] = None
         self.whisper: Optional[Dict[str, Any]] = None  # the current Whisper window (see .whisper)
@@ -203,7 +214,9 @@ class Call:
             self.request = Request(
                 model=self.name, start_ns=0, start_wall_ns=0, timed=self.timed, synchronized=synchronized, device=device
             )
-            self.memory_device = figures.cuda_device(device) if self.timed and telemetry.options.measure_memory else None
+            self.memory_device = (
+                figures.cuda_device(device) if self.timed and telemetry.options.measure_memory else None
+            )
             self._synchronize()
             self._memory(figures.reset_peak_memory)
             self.request.start_ns = clock.monotonic_ns()
@@ -426,9 +439,7 @@ class Call:
                 attributes[A.GENERATE_CALL_OUTPUT_TOKENS] = loop.output_tokens
                 total += loop.output_tokens
                 if kept_rows is not None:
-                    discarded += sum(
-                        count for row, count in enumerate(loop.per_sequence) if row not in kept_rows
-                    )
+                    discarded += sum(count for row, count in enumerate(loop.per_sequence) if row not in kept_rows)
             request.calls.append(
                 InnerCall(
                     start_ns=loop.start_ns,
@@ -454,7 +465,9 @@ class Call:
         tokens from the call's token input and its output, and say why there are no steps."""
         request = self.request
         if exc is None:
-            request.unobserved = A.UNOBSERVED_CUSTOM_GENERATE if self.custom_generate is not None else A.UNOBSERVED_MODEL_LOOP
+            request.unobserved = (
+                A.UNOBSERVED_CUSTOM_GENERATE if self.custom_generate is not None else A.UNOBSERVED_MODEL_LOOP
+            )
         inputs = self.kwargs.get("input_ids", self.kwargs.get("inputs"))
         if inputs is None and self.args and _is_tensor(self.args[0]):
             inputs = self.args[0]
@@ -672,7 +685,11 @@ class Loop:
             self.per_sequence = per_sequence
             self.output_tokens = int(sum(per_sequence))
             self.finish_reasons = finish_reasons(
-                sequences, prompt_length, per_sequence, max_new, eos,
+                sequences,
+                prompt_length,
+                per_sequence,
+                max_new,
+                eos,
                 forced_eos_token_id=getattr(config, "forced_eos_token_id", None),
                 budget_rows=self._rows_out_of_time(lengths, prompt_length, per_sequence),
             )
@@ -776,9 +793,7 @@ def current_call(model: Any) -> Any:
     if frame is _NESTED:
         return _NESTED
     call = frame.call if isinstance(frame, Loop) else frame
-    if isinstance(frame, Loop) and frame.running and (
-        call.owns(model) or model is frame.kwargs.get("assistant_model")
-    ):
+    if isinstance(frame, Loop) and frame.running and (call.owns(model) or model is frame.kwargs.get("assistant_model")):
         return _NESTED
     return call if call.owns(model) else None
 
@@ -796,8 +811,16 @@ def pop_extras(kwargs: dict) -> dict:
     return extras
 
 
-def run_request(telemetry: emit.Telemetry, original: Callable, model: Any, args: tuple, kwargs: dict,
-                loop: bool, custom_generate: Any = None, call_args: Optional[tuple] = None) -> Any:
+def run_request(
+    telemetry: emit.Telemetry,
+    original: Callable,
+    model: Any,
+    args: tuple,
+    kwargs: dict,
+    loop: bool,
+    custom_generate: Any = None,
+    call_args: Optional[tuple] = None,
+) -> Any:
     """Run ``original(*call_args or (model, *args), **kwargs)`` as one request of ``model``.
 
     ``loop``: the call itself is a decoding loop (``GenerationMixin.generate``) rather than an

@@ -1,4 +1,5 @@
-"""The per-step hot path of the ``generate()`` loop: the stopping-criteria call that ends each decode step is timestamped.
+"""The per-step hot path of the ``generate()`` loop: the stopping-criteria call that ends each
+decode step is timestamped.
 
 transformers calls its ``StoppingCriteriaList`` once per decoding iteration, right after the
 new token(s) were appended (``GenerationMixin._sample``, ``_beam_search``,
@@ -87,9 +88,7 @@ class StepRecorder:
         previous_time = times[-2] if len(times) > 1 else self._start_ns
         previous_length = lengths[-2] if len(lengths) > 1 else self._prompt_length
         try:
-            self._on_step(
-                previous_length - self._prompt_length + self._token_offset, (times[-1] - previous_time) / 1e9
-            )
+            self._on_step(previous_length - self._prompt_length + self._token_offset, (times[-1] - previous_time) / 1e9)
         except Exception as exc:  # a user callback: logged once, generation and recording go on
             self._on_fault("per_token_latency_callback", exc)
 

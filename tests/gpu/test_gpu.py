@@ -65,8 +65,10 @@ def llama_1b():
     with torch.device("cuda"):  # initialised on the GPU, in bfloat16
         model = transformers.AutoModelForCausalLM.from_config(config, **{dtype_keyword(): torch.bfloat16})
     model = model.to(device="cuda", dtype=torch.bfloat16).eval()
-    print(f"\nmodel: LlamaForCausalLM, {sum(p.numel() for p in model.parameters()) / 1e9:.3f}B parameters, "
-          f"bfloat16, {torch.cuda.get_device_name()}")
+    print(
+        f"\nmodel: LlamaForCausalLM, {sum(p.numel() for p in model.parameters()) / 1e9:.3f}B parameters, "
+        f"bfloat16, {torch.cuda.get_device_name()}"
+    )
     return model
 
 
@@ -156,8 +158,10 @@ def test_step_latencies_add_up_to_the_request_span(llama_1b, instrumented, span_
     duration_ms = (request.end_time - request.start_time) / 1e6
     step_sum_ms = sum(s.attributes[A.GENERATE_STEP_LATENCY] for s in steps) * 1e3
     rel = (duration_ms - step_sum_ms) / duration_ms
-    print(f"\nrequest span {duration_ms:.3f} ms, sum of {len(steps)} step latencies {step_sum_ms:.3f} ms, "
-          f"difference {rel:+.2%}")
+    print(
+        f"\nrequest span {duration_ms:.3f} ms, sum of {len(steps)} step latencies {step_sum_ms:.3f} ms, "
+        f"difference {rel:+.2%}"
+    )
     assert abs(rel) <= SPAN_TOLERANCE
 
 
@@ -172,5 +176,8 @@ def test_bench_on_cuda_synchronizes_around_every_timed_call(monkeypatch):
     assert [s["new_tokens"] for s in result["samples"]] == [8, 8]
     # per measured run: 2 by the harness (before and after), and the instrumentation's per step
     assert len(calls) >= 2 * (2 + 8)
-    print(f"\nbench on {result['machine']['gpu']}: median {result['median_tokens_per_s']:.1f} tokens/s, "
-          f"TTFT {result['median_time_to_first_token_ms']:.3f} ms, TPOT {result['median_time_per_output_token_ms']:.3f} ms")
+    print(
+        f"\nbench on {result['machine']['gpu']}: median {result['median_tokens_per_s']:.1f} tokens/s, "
+        f"TTFT {result['median_time_to_first_token_ms']:.3f} ms, "
+        f"TPOT {result['median_time_per_output_token_ms']:.3f} ms"
+    )
