@@ -18,6 +18,8 @@ a tokenizer from the model's name would mean loading files the application did n
 * Output: one message per returned sequence, its real continuation only (the counts the
   producer already computed, :attr:`Request.output_tokens_per_sequence`: no prompt, no padding
   after the row finished) decoded with ``skip_special_tokens=True``, with that row's finish reason.
+  A call of several decoding loops, or of a Whisper window (Whisper keeps only the segments between
+  timestamp pairs), gets the text of what the call returned.
 * Step token ids: read from the returned tensor after the call, at the positions each step
   appended (zero per-step cost).
 * Step log-probabilities: greedy and sampling (``_sample``) only. transformers hands the stopping
@@ -97,7 +99,7 @@ def _fill(call: Any, loops: Sequence[Any], result: Any) -> None:
                 if prompts is not None:
                     request.input_messages = input_messages(prompts)
             counts = request.output_tokens_per_sequence
-            if single is not None:
+            if single is not None and single.whisper is None:
                 sequences, prompt_length = (
                     generate_loop._sequences(single.result if single.result is not None else result),
                     single.prompt_length,
@@ -109,7 +111,9 @@ def _fill(call: Any, loops: Sequence[Any], result: Any) -> None:
                     ]
                     request.output_messages = output_messages(texts, request.finish_reasons)
             elif loops:
-                # several inner calls (Whisper's windows): the text is what the user's call returned
+                # several inner calls, or a Whisper window (Whisper keeps only the segments between
+                # timestamp pairs and may drop the tokens after the last one): the text is what the
+                # user's call returned
                 sequences = generate_loop._sequences(result)
                 if sequences is not None and _is_id_tensor(sequences):
                     texts = [tokenizer.decode(row, skip_special_tokens=True) for row in sequences.tolist()]

@@ -139,7 +139,16 @@ def _is_tensor(value: Any) -> bool:
 
 
 def _sequences(result: Any) -> Any:
-    sequences = result if _is_tensor(result) else getattr(result, "sequences", None)
+    """The ``(rows, length)`` id tensor of what a ``generate()`` returned: the tensor itself, a
+    ``ModelOutput``'s ``sequences``, or the ``"sequences"`` of a plain dict (Whisper's
+    ``generate()`` returns ``{"sequences": ..., "segments": ...}`` when asked for segments or token
+    timestamps, as the speech-recognition pipeline does for ``return_language=True``); else ``None``."""
+    if _is_tensor(result):
+        sequences = result
+    elif isinstance(result, dict):  # a ModelOutput is an OrderedDict too
+        sequences = result.get("sequences")
+    else:
+        sequences = getattr(result, "sequences", None)
     return sequences if _is_tensor(sequences) and sequences.dim() == 2 else None
 
 
