@@ -32,6 +32,8 @@ import random
 import string
 import sys
 import threading
+import time
+import urllib.error
 import urllib.request
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -106,6 +108,23 @@ def complete(
         return json.load(response)
 
 
+def wait_for_server(base_url: str, timeout_s: float = 120.0) -> None:
+    """Wait until the server answers ``GET {base_url}/v1/models`` (it takes seconds to start).
+
+    Raises:
+        TimeoutError: it did not answer within ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base_url}/v1/models", timeout=5):
+                return
+        except (OSError, urllib.error.URLError):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no server answered at {base_url} within {timeout_s:.0f} s") from None
+            time.sleep(0.5)
+
+
 def send_concurrent(
     base_url: str, prompts: Sequence[str], max_tokens: int, rng: Optional[random.Random] = None
 ) -> List[Dict[str, Any]]:
@@ -157,6 +176,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.requests < 1:
         parser.error("--requests must be at least 1")
     prompts = [f"request {index}: hello" for index in range(args.requests)]
+    wait_for_server(args.url.rstrip("/"))
     for result in send_concurrent(args.url.rstrip("/"), prompts, args.max_tokens):
         usage = result["response"]["usage"]
         print(
