@@ -183,6 +183,9 @@ class GenerateInstrumentor(BaseInstrumentor):
     def _uninstrument(self, **kwargs: Any) -> None:
         telemetry, patches = getattr(self, "_telemetry", None), getattr(self, "_patches", None)
         if telemetry is not None:
+            from otel_generate.integrations import continuous_batching
+
+            continuous_batching.end_in_flight(telemetry)  # requests in flight: ended, marked incomplete
             telemetry.stop_emitter()  # what it still holds is emitted first
             telemetry.active = False  # hooks still reachable (a bound method held somewhere) only call through
         if patches is not None:

@@ -96,6 +96,10 @@ class Patches:
                 blocker = f"an error while removing it ({type(exc).__name__}: {exc})"
             if blocker is not None:
                 stuck.append(f"{getattr(owner, '__qualname__', owner)}.{name} ({blocker})")
+            # another tool may have wrapped what a subclass inherited from ours, on the subclass
+            for sub, blocker in _inherited_wrappers(owner, name, replacement, previous):
+                if blocker is not None:
+                    stuck.append(f"{getattr(sub, '__qualname__', sub)}.{name} ({blocker})")
         if stuck:
             _LOG.warning(
                 "otel_generate: could not remove its hook of %s; left in place as a pass-through (the method works "
@@ -103,6 +107,37 @@ class Patches:
                 "to remove ours completely.",
                 "; ".join(stuck),
             )
+
+
+def _inherited_wrappers(owner: Any, name: str, ours: Any, previous: Any):
+    """``(subclass, blocker)`` for each subclass of ``owner`` whose own ``name`` is another tool's
+    wrapper around ours (it wrapped the inherited attribute): ours is spliced out of it (``blocker``
+    None) or cannot be."""
+    if not isinstance(owner, type) or previous is _MISSING:
+        return
+    seen, pending = set(), list(type.__subclasses__(owner))
+    while pending:
+        sub = pending.pop()
+        if sub in seen:
+            continue
+        seen.add(sub)
+        pending.extend(type.__subclasses__(sub))
+        current = vars(sub).get(name, _MISSING)
+        if current is _MISSING or current is ours or not _leads_to(current, ours):
+            continue
+        yield sub, _remove(sub, name, ours, previous)
+
+
+def _leads_to(current: Any, ours: Any) -> bool:
+    link = current
+    for _ in range(_MAX_CHAIN):
+        try:
+            link = link.__wrapped__
+        except AttributeError:
+            return False
+        if link is ours:
+            return True
+    return False
 
 
 def _describe(obj: Any) -> str:

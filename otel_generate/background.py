@@ -11,18 +11,24 @@ emitted, and :attr:`BackgroundEmitter.dropped` counts it (a warning is logged on
 
 Drained first: ``uninstrument()``, the SDK's ``TracerProvider.force_flush``/``shutdown`` and
 ``MeterProvider.force_flush``/``shutdown`` (hooked while an emitter exists, see
-:func:`install_drain_hooks`; that covers interpreter exit and the pool-worker exit flush of
-:mod:`otel_generate._lifecycle`, which call ``shutdown()``) wait for the queue to empty, at most
-their timeout.
+:func:`install_drain_hooks`; that covers the pool-worker exit flush of
+:mod:`otel_generate._lifecycle`, which calls ``shutdown()``) wait for the queue to empty, at most
+their timeout. Interpreter exit too: the SDK registers its exit-time ``shutdown`` when a provider
+is created, bound before the hooks exist, so each emitter registers an ``atexit`` drain of its
+own, which runs before the providers' (``atexit`` runs the last registered first). Once stopped
+(``uninstrument()``), an emitter runs what is still handed to it (a request that was in flight)
+on the caller's thread, so nothing is lost.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import functools
 import os
 import threading
 import time
+import weakref
 from typing import Callable, Deque, Optional
 
 from otel_generate._faults import log_fault_once
@@ -54,31 +60,49 @@ class BackgroundEmitter:
         self._thread: Optional[threading.Thread] = None
         self._pid = os.getpid()
         self._stopped = False
+        reference = weakref.ref(self)
+
+        def drain_at_exit() -> None:  # registered after the providers' own exit-time shutdown: runs first
+            emitter = reference()
+            if emitter is not None:
+                emitter.drain()
+
+        atexit.register(drain_at_exit)
 
     def submit(self, job: Callable[[], None]) -> bool:
-        """Queue ``job`` (a callable without arguments); False when the queue was full (counted)."""
+        """Queue ``job`` (a callable without arguments); False when the queue was full (counted).
+
+        After :meth:`stop`, the job runs at once on the caller's thread (a request that was in
+        flight when the instrumentation was turned off is still emitted).
+        """
         with self._lock:
             if os.getpid() != self._pid:  # a forked child: the parent's worker and jobs are not ours
                 self._jobs.clear()
                 self._thread, self._busy, self._pid = None, False, os.getpid()
-            if self._stopped or len(self._jobs) >= self.max_pending:
+            stopped = self._stopped
+            full = not stopped and len(self._jobs) >= self.max_pending
+            if full:
                 self.dropped += 1
-                full = not self._stopped
-            else:
+            elif not stopped:
                 self._jobs.append(job)
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name="otel_generate-emitter", daemon=True)
                     self._thread.start()
                 self._wake.notify()
                 return True
-        if full:
-            log_fault_once(
-                "background emission",
-                RuntimeError(
-                    f"the background emitter's queue is full ({self.max_pending} requests); requests are dropped and "
-                    "counted"
-                ),
-            )
+        if stopped:
+            try:
+                job()
+            except Exception as fault:
+                log_fault_once("background emission", fault)
+            return True
+        log_fault_once(
+            "background emission",
+            RuntimeError(
+                f"the background emitter's queue is full ({self.max_pending} requests); requests are dropped and "
+                "counted"
+            ),
+        )
         return False
 
     def pending(self) -> int:

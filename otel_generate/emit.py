@@ -433,7 +433,7 @@ def _emit_steps(
     )
     PREFILL, DECODE = A.STEP_SPAN_PREFILL, A.STEP_SPAN_DECODE
     fast = telemetry.fast
-    fast_emit = fast.emit if fast is not None else None
+    fast_emit = fast.emit if fast is not None and fast.usable() else None
     token_index = 0
     for index in range(emitted):
         start, end = bounds[index]
@@ -449,16 +449,20 @@ def _emit_steps(
             if index < len(logprobs) and logprobs[index]:
                 attributes[A.GENERATE_STEP_LOGPROBS] = logprobs[index]
         token_index += tokens[index]
-        if (
-            fast_emit is not None
-            and (not extra or fast_eligible(attributes))
-            and fast_emit(parents[index], parent_spans[index], name, start + wall_offset, end + wall_offset, attributes)
-        ):
-            pass
-        else:
-            start_span(
-                name, context=parents[index], kind=internal, start_time=start + wall_offset, attributes=attributes
-            ).end(end_time=end + wall_offset)
+        try:
+            fast_done = (
+                fast_emit is not None
+                and (not extra or fast_eligible(attributes))
+                and fast_emit(
+                    parents[index], parent_spans[index], name, start + wall_offset, end + wall_offset, attributes
+                )
+            )
+            if not fast_done:
+                start_span(
+                    name, context=parents[index], kind=internal, start_time=start + wall_offset, attributes=attributes
+                ).end(end_time=end + wall_offset)
+        except Exception as fault:  # a span processor raised: the other steps and the metrics still go
+            log_fault_once("step span export", fault)
         if yield_every and index % yield_every == yield_every - 1:
             time.sleep(0)  # a background emitter lets the producer run
 

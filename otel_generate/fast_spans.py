@@ -23,7 +23,10 @@ That uses SDK internals, so it is taken only when the result is the same as the 
   per parent and reused for its siblings.
 
 Anything else, and any step span with non-numeric attributes (opt-in token ids), goes through
-the public API. A fault here turns the fast path off for good (logged once).
+the public API. The processors are checked again whenever the provider's list of processors
+changes (a processor added after ``instrument()``). A fault in building a span turns the fast
+path off for good (logged once); an exception a processor raises is the processor's, and goes
+to the caller as the public path's would.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class FastStepSpans:
         self._sampler = tracer.sampler
         self._resource = tracer.resource
         self._processor = tracer.span_processor
+        self._checked = tracer.span_processor._span_processors  # the processors found eligible
         self._new_span_id = tracer.id_generator.generate_span_id
         self._info = getattr(tracer, "instrumentation_info", None)
         self._scope = getattr(tracer, "_instrumentation_scope", None)
@@ -62,12 +66,23 @@ class FastStepSpans:
         self._decided: Dict[int, Any] = {}  # parent span id -> SamplingResult (per-parent samplers)
         self.broken = False
 
+    def usable(self) -> bool:
+        """Whether the fast path may be taken now: not broken, and the provider's processors are
+        still those checked (``add_span_processor`` replaces the tuple: then they are checked again)."""
+        if self.broken:
+            return False
+        current = self._processor._span_processors
+        if current is not self._checked:
+            if not _eligible_processors(self._processor):
+                return False
+            self._checked = current
+        return True
+
     @classmethod
     def for_tracer(cls, tracer: Any) -> Optional["FastStepSpans"]:
         """A :class:`FastStepSpans` for ``tracer`` when it is equivalent to the public path, else ``None``."""
         try:
-            from opentelemetry.sdk.trace import SynchronousMultiSpanProcessor, Tracer
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+            from opentelemetry.sdk.trace import Tracer
         except ImportError:
             return None
         try:
@@ -78,10 +93,7 @@ class FastStepSpans:
             metrics = getattr(tracer, "_tracer_metrics", None)
             if metrics is not None and type(metrics).__name__ != "NoOpTracerMetrics":
                 return None
-            processor = tracer.span_processor
-            if type(processor) is not SynchronousMultiSpanProcessor:
-                return None
-            if any(type(p) not in (BatchSpanProcessor, SimpleSpanProcessor) for p in processor._span_processors):
+            if not _eligible_processors(tracer.span_processor):
                 return None
             limits = getattr(tracer, "_span_limits", None)
             if limits is None:
@@ -99,7 +111,11 @@ class FastStepSpans:
         self, parent_context: Any, parent: Any, name: str, start: int, end: int, attributes: Dict[str, Any]
     ) -> bool:
         """One ended step span, child of ``parent`` (a ``SpanContext``) in ``parent_context``
-        (a ``Context`` holding the parent span); False when the caller must use the public path."""
+        (a ``Context`` holding the parent span); False when the caller must use the public path.
+
+        Raises:
+            Whatever a span processor's ``on_end`` raises (as ``Span.end()`` would).
+        """
         if self.broken:
             return False
         try:
@@ -137,12 +153,23 @@ class FastStepSpans:
                 end_time=end,
                 instrumentation_scope=self._scope,
             )
-            self._processor.on_end(span)
-            return True
         except Exception as fault:
             self.broken = True
             log_fault_once("fast step spans", fault)
             return False
+        self._processor.on_end(span)  # a processor's exception is the caller's to handle, as for Span.end()
+        return True
+
+
+def _eligible_processors(processor: Any) -> bool:
+    """The SDK's multi-processor holding only the SDK's batch and simple processors (whose
+    ``on_start`` and ``_on_ending`` do nothing)."""
+    from opentelemetry.sdk.trace import SynchronousMultiSpanProcessor
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+    if type(processor) is not SynchronousMultiSpanProcessor:
+        return False
+    return all(type(p) in (BatchSpanProcessor, SimpleSpanProcessor) for p in processor._span_processors)
 
 
 def _decides_per_parent(sampler: Any) -> bool:

@@ -153,6 +153,7 @@ def finish_reasons(
     eos_token_id: Optional[Any] = None,
     forced_eos_token_id: Optional[Any] = None,
     budget_rows: Iterable[int] = (),
+    stopped_rows: Iterable[int] = (),
 ) -> List[str]:
     """One GenAI finish reason per returned sequence (``gen_ai.response.finish_reasons``).
 
@@ -170,6 +171,8 @@ def finish_reasons(
         eos_token_id: EOS id(s) (int, list, tensor or ``None``).
         forced_eos_token_id: the generation config's ``forced_eos_token_id`` (id(s) or ``None``).
         budget_rows: indices of rows a budget other than the token count ended (``max_time``).
+        stopped_rows: indices of rows a stop string ended on the last position of the budget (both
+            ended it: ``"stop"``).
 
     Returns:
         ``"stop"`` or ``"length"`` for each row, ``len == len(counts)``.
@@ -177,6 +180,7 @@ def finish_reasons(
     eos_ids = set(_as_id_list(eos_token_id))
     forced_ids = set(_as_id_list(forced_eos_token_id))
     budget_rows = set(budget_rows)
+    stopped_rows = set(stopped_rows)
     reasons = []
     rows = sequences[:, prompt_length:].tolist() if eos_ids or forced_ids else None
     for row, count in enumerate(counts):
@@ -184,7 +188,9 @@ def finish_reasons(
         full = max_new_tokens is not None and count >= max_new_tokens
         forced = full and last is not None and last in forced_ids
         ended_with_eos = last is not None and last in eos_ids and not forced
-        if forced or (not ended_with_eos and (full or row in budget_rows)):
+        if row in stopped_rows and not forced:
+            reasons.append(FINISH_REASON_STOP)
+        elif forced or (not ended_with_eos and (full or row in budget_rows)):
             reasons.append(FINISH_REASON_LENGTH)
         else:
             reasons.append(FINISH_REASON_STOP)

@@ -83,6 +83,8 @@ REQUIRED = (
 )
 
 _STATE_LOCK = threading.Lock()
+#: every manager state alive (for ``uninstrument()``: the requests still in flight)
+_LIVE_STATES: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def missing_features(module: Any) -> List[str]:
@@ -575,9 +577,48 @@ def state_of(manager: Any, telemetry: emit.Telemetry) -> _ManagerState:
         state = manager.__dict__.get(STATE_ATTR)
         if state is None or state.telemetry is not telemetry:
             state = _ManagerState(telemetry, manager)
+            _LIVE_STATES.add(state)
             setattr(manager, STATE_ATTR, state)
             setattr(manager.output_router, STATE_ATTR, state)
     return state
+
+
+def end_in_flight(telemetry: emit.Telemetry) -> None:
+    """``uninstrument()``: emit what finished, and end the spans of the requests still in flight,
+    marked ``generate.steps.incomplete`` with what was recorded so far (they go on generating,
+    uninstrumented). Never raises."""
+    for state in list(_LIVE_STATES):
+        if state.telemetry is not telemetry:
+            continue
+        try:
+            for record, request in state.process():
+                emit.finish(telemetry, record.span, request, record.profilers)
+            with state.lock:
+                pending = [r for r in state.records.values() if r.group is None]
+                for record in pending:
+                    del state.records[record.request_id]
+                state.timed = 0
+                state.collect = False
+            now = clock.monotonic_ns()
+            for record in pending:
+                try:
+                    request = _request_of(state, record, _derive(record))
+                except Exception:
+                    request = Request(
+                        model=state.model_name,
+                        start_ns=record.start_ns,
+                        start_wall_ns=record.start_wall_ns,
+                        timed=record.timed,
+                        device=state.device,
+                        parameters=dict(record.parameters),
+                        request_id=record.request_id,
+                    )
+                request.incomplete = True
+                request.finish_reasons = None
+                request.end_ns = max(now, record.start_ns)
+                emit.finish(telemetry, record.span, request, record.profilers)
+        except Exception as fault:
+            log_fault_once("continuous batching uninstrument", fault)
 
 
 # --- paged generate(): the rows of one generate() call ---------------------------------------------

@@ -64,6 +64,13 @@ _NESTED = object()
 #: Strategies whose stopping-criteria rows are the returned sequences (beam search checks
 #: flattened candidate beams instead).
 _ROW_ALIGNED = (A.STRATEGY_GREEDY, A.STRATEGY_SAMPLE, A.STRATEGY_ASSISTED, A.STRATEGY_CUSTOM_GENERATE)
+#: Strategies that return beams (padded only after their EOS).
+_BEAM = (
+    A.STRATEGY_BEAM_SEARCH,
+    A.STRATEGY_BEAM_SAMPLE,
+    A.STRATEGY_GROUP_BEAM_SEARCH,
+    A.STRATEGY_CONSTRAINED_BEAM_SEARCH,
+)
 #: Decoding methods that transformers 5.x runs as ``custom_generate`` repositories: their name
 #: is kept as the strategy when their repository's loop runs.
 _HUB_MODES = (
@@ -384,6 +391,8 @@ class Call:
         for loop in loops:
             if loop.end_ns is None:  # an implicit loop, or a loop cut short by an exception
                 loop.end_ns = request.end_ns
+            if not loop.closed:  # an implicit loop ends with its call
+                loop.size_cache(result if loop.model is self.model else None)
             loop.account(None if len(loops) > 1 or loop.model is not self.model else result, exc)
         params.update(first.parameters)
         if first.assisted_generator is not None:
@@ -431,6 +440,7 @@ class Call:
         index = 0
         total = discarded = 0
         counted = False
+        row_reasons: Dict[int, str] = {}
         for number, loop in enumerate(loops):
             attributes: Dict[str, Any] = {
                 A.GENERATE_CALL_INDEX: number,
@@ -443,6 +453,10 @@ class Call:
             if loop.whisper is not None:
                 extra, kept_rows = attempt_attributes(loop)
                 attributes.update(extra)
+                # each batch row ends as its last kept attempt ended (rows are original batch rows)
+                for position, row in enumerate(extra.get(A.GENERATE_ATTEMPT_ROWS, ())):
+                    if position in kept_rows and loop.finish_reasons and position < len(loop.finish_reasons):
+                        row_reasons[row] = loop.finish_reasons[position]
             if loop.output_tokens is not None:
                 counted = True
                 attributes[A.GENERATE_CALL_OUTPUT_TOKENS] = loop.output_tokens
@@ -466,7 +480,10 @@ class Call:
             request.output_tokens = total
             if any(loop.whisper is not None for loop in loops):
                 request.discarded_output_tokens = discarded
-        request.finish_reasons = loops[-1].finish_reasons
+        if row_reasons:  # Whisper: one reason per returned row, from the window that ended it
+            request.finish_reasons = [row_reasons[row] for row in sorted(row_reasons)]
+        else:
+            request.finish_reasons = loops[-1].finish_reasons
         return loops
 
     def _account_unobserved(self, result: Any, exc: Optional[BaseException]) -> None:
@@ -619,7 +636,15 @@ class Loop:
         request, whose (synchronized) end time it then takes."""
         self.closed = True
         self.result = result
-        if self.cache is None and self.call.timed:  # legacy tuples (transformers 4.x): the output's, if returned
+        self.size_cache(result)
+        if read_clock:
+            self.call._synchronize()
+            self.end_ns = clock.monotonic_ns()
+
+    def size_cache(self, result: Any = None) -> None:
+        """``kv_cache_bytes`` from the cache object the loop built (or, with transformers 4.x's legacy
+        tuples, the ``past_key_values`` of its output), once; then the cache is let go."""
+        if self.cache is None and self.call.timed:
             self.cache = getattr(result, "past_key_values", None)
         if self.cache is not None:
             try:
@@ -627,9 +652,6 @@ class Loop:
             except Exception as fault:
                 log_fault_once("key/value cache size", fault)
             self.cache = None
-        if read_clock:
-            self.call._synchronize()
-            self.end_ns = clock.monotonic_ns()
 
     # --- the end --------------------------------------------------------------------------
     def account(self, call_result: Any, exc: Optional[BaseException]) -> None:
@@ -690,7 +712,9 @@ class Loop:
                 # exact: each row ends at the step where a stopping criterion first said so
                 per_sequence = counts_from_done(done, lengths, prompt_length, sequences)
             if per_sequence is None:  # beams, or no step data: read it off the tensor
-                per_sequence = count_new_tokens(sequences, prompt_length, eos, pad)
+                # beam search pads only after an EOS (which ends the count already): a trailing run of
+                # tokens equal to the pad id in a beam without EOS is real output
+                per_sequence = count_new_tokens(sequences, prompt_length, eos, None if strategy in _BEAM else pad)
             self.per_sequence = per_sequence
             self.output_tokens = int(sum(per_sequence))
             self.finish_reasons = finish_reasons(
@@ -701,6 +725,7 @@ class Loop:
                 eos,
                 forced_eos_token_id=getattr(config, "forced_eos_token_id", None),
                 budget_rows=self._rows_out_of_time(lengths, prompt_length, per_sequence),
+                stopped_rows=self._rows_at_a_stop_string(sequences, prompt_length, per_sequence, max_new),
             )
         if config is not None:
             if max_new is not None and max_new >= 0:
@@ -726,6 +751,26 @@ class Loop:
         if call.streamer is not None:
             call.request.first_chunk_ns = call.streamer._self_first_chunk_ns
             call.request.streamer_ns = call.streamer._self_inside_ns
+
+    def _rows_at_a_stop_string(self, sequences: Any, prompt_length: int, counts: List[int], max_new: Any) -> List[int]:
+        """Rows that used their whole budget and whose last token also completed a stop string: the
+        stop string ended them (``StopStringCriteria`` asked once more on the final sequences; it has
+        no state)."""
+        from transformers.generation.stopping_criteria import StopStringCriteria
+
+        if self.criteria is None or max_new is None:
+            return []
+        full = [
+            row for row, count in enumerate(counts) if count >= max_new and prompt_length + count == sequences.shape[-1]
+        ]
+        criteria = [c for c in self.criteria if isinstance(c, StopStringCriteria)]
+        if not full or not criteria:
+            return []
+        matched = set()
+        for criterion in criteria:
+            done = criterion(sequences, None)
+            matched.update(row for row in full if bool(done[row]))
+        return sorted(matched)
 
     def _rows_out_of_time(self, lengths: List[int], prompt_length: int, counts: List[int]) -> List[int]:
         """Rows that ``max_time`` ended: still running at the last step, which ended after the deadline.
@@ -861,6 +906,16 @@ def run_request(
     return call.finish(result=result)
 
 
+def run_nested(original: Callable, model: Any, args: tuple, kwargs: dict) -> Any:
+    """Run a ``generate()`` that belongs to a step of the running loop (an assistant model's, early
+    exit's, one called from a logits processor) opaquely: nothing of it is recorded into the loop."""
+    token = _ACTIVE.set(_NESTED)
+    try:
+        return original(model, *args, **kwargs)
+    finally:
+        _ACTIVE.reset(token)
+
+
 def run_inner_loop(call: Call, original: Callable, model: Any, args: tuple, kwargs: dict) -> Any:
     """Run ``GenerationMixin.generate`` as one more decoding loop of ``call``."""
     pop_extras(kwargs)  # already handled by the outer call
@@ -899,8 +954,8 @@ def make_generate(original: Callable, telemetry: emit.Telemetry) -> Callable:
         if not telemetry.active:
             return original(self, *args, **kwargs)
         owner = current_call(self)
-        if owner is _NESTED:
-            return original(self, *args, **kwargs)
+        if owner is _NESTED:  # inside a step of a running loop: the helpers it calls are not that loop's
+            return run_nested(original, self, args, kwargs)
         if owner is not None:
             return run_inner_loop(owner, original, self, args, kwargs)
         return run_request(telemetry, original, self, args, kwargs, loop=True)
