@@ -267,20 +267,13 @@ def finish(
 def _annotate(telemetry: Telemetry, span: Any, request: Request, yield_every: int = 0) -> GenerationRecord:
     """Set the request attributes and build the step spans; return the record for the APIs."""
     latencies_ns = request.step_latencies_ns()
-    latencies_s = [latency / clock.NS_PER_S for latency in latencies_ns]
+    latencies_s = list(map(float(clock.NS_PER_S).__rtruediv__, latencies_ns))  # latency / NS_PER_S each
     ttft_ns = request.time_to_first_token_ns()
     tpot_ns = request.time_per_output_token_ns()
     etype = error_type(request.error) if request.error is not None else None
     if span.is_recording():
         attrs: Dict[str, Any] = dict(request.parameters)
-        if request.input_tokens is not None:
-            attrs[A.GEN_AI_USAGE_INPUT_TOKENS] = request.input_tokens
-        if request.output_tokens is not None:
-            attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] = request.output_tokens
-        if request.finish_reasons is not None:
-            attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] = list(request.finish_reasons)
-        if request.first_chunk_ns is not None:
-            attrs[A.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] = (request.first_chunk_ns - request.start_ns) / clock.NS_PER_S
+        _add_response_attributes(attrs, request)
         if request.streamer_ns is not None:
             attrs[A.GENERATE_STREAMER_DURATION] = request.streamer_ns / clock.NS_PER_S
         if request.request_id is not None:
@@ -381,6 +374,8 @@ def _outliers(request: Request, latencies_ns: Sequence[int], factor: float) -> f
     middle = len(ordered) // 2
     median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
     limit = factor * median
+    if ordered[-1] <= limit:  # the common case: no outlier
+        return frozenset()
     return frozenset(index for index, latency in enumerate(latencies_ns) if index not in prefill and latency > limit)
 
 
@@ -467,6 +462,19 @@ def _emit_steps(
             time.sleep(0)  # a background emitter lets the producer run
 
 
+def _add_response_attributes(attrs: Dict[str, Any], request: Request) -> None:
+    """The GenAI response attributes the request span and the details event share: token usage,
+    finish reasons and time to first chunk (seconds), each only when known."""
+    if request.input_tokens is not None:
+        attrs[A.GEN_AI_USAGE_INPUT_TOKENS] = request.input_tokens
+    if request.output_tokens is not None:
+        attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] = request.output_tokens
+    if request.finish_reasons is not None:
+        attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] = list(request.finish_reasons)
+    if request.first_chunk_ns is not None:
+        attrs[A.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] = (request.first_chunk_ns - request.start_ns) / clock.NS_PER_S
+
+
 def _json(messages: Any) -> str:
     """Messages as the JSON string a span attribute holds (compact, non-ASCII kept as is)."""
     return json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
@@ -489,14 +497,7 @@ def _emit_details_event(logger: Any, span: Any, request: Request) -> None:
         A.GEN_AI_RESPONSE_MODEL: request.model,
     }
     attrs.update((key, value) for key, value in request.parameters.items() if key.startswith("gen_ai."))
-    if request.input_tokens is not None:
-        attrs[A.GEN_AI_USAGE_INPUT_TOKENS] = request.input_tokens
-    if request.output_tokens is not None:
-        attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] = request.output_tokens
-    if request.finish_reasons is not None:
-        attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] = list(request.finish_reasons)
-    if request.first_chunk_ns is not None:
-        attrs[A.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] = (request.first_chunk_ns - request.start_ns) / clock.NS_PER_S
+    _add_response_attributes(attrs, request)
     if request.error is not None:
         attrs[A.ERROR_TYPE] = error_type(request.error)
     if request.input_messages is not None:

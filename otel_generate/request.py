@@ -13,6 +13,7 @@ read at ``start_ns``), which places the monotonic times on the wall-clock time l
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -140,7 +141,7 @@ class Request:
         """The duration of every step, nanoseconds."""
         ends = self.step_ends_ns
         starts = self.step_starts_ns if self.step_starts_ns is not None else [self.start_ns] + ends[:-1]
-        return [end - start for start, end in zip(starts, ends)]
+        return list(map(operator.sub, ends, starts))
 
     def time_to_first_token_ns(self) -> Optional[int]:
         """From the start of the request to the end of the first step that produced a token."""

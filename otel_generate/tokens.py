@@ -7,6 +7,7 @@ instrumentor and the benchmark harness so that both count the same way.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Iterable, List, Optional, Sequence
 
 from otel_generate.attributes import FINISH_REASON_LENGTH, FINISH_REASON_STOP
@@ -101,20 +102,17 @@ def counts_from_done(
 
     if not done or len(done) != len(lengths):
         return None
-    steps = torch.stack(list(done)).cpu().tolist()  # (steps, rows) as lists: one device transfer
     rows = int(sequences.shape[0])
-    if any(len(step) != rows for step in steps):
+    try:
+        stacked = torch.stack(list(done))  # (steps, rows)
+    except RuntimeError:  # steps of different shapes
         return None
+    if stacked.dim() != 2 or stacked.shape[1] != rows:
+        return None
+    # per row: whether a step marked it done, and the first step that did (argmax: first maximum)
+    ended, first = torch.stack([stacked.any(dim=0).long(), stacked.long().argmax(dim=0)]).cpu().tolist()
     width = int(sequences.shape[-1]) - prompt_length
-    counts = [width] * rows
-    pending = set(range(rows))
-    for length, step in zip(lengths, steps):
-        for row in [r for r in pending if step[r]]:
-            counts[row] = min(max(length - prompt_length, 0), width)
-            pending.discard(row)
-        if not pending:
-            break
-    return counts
+    return [min(max(lengths[step] - prompt_length, 0), width) if stop else width for stop, step in zip(ended, first)]
 
 
 def count_input_tokens(
@@ -199,9 +197,5 @@ def finish_reasons(
 
 def step_tokens(lengths: Iterable[int], prompt_length: int) -> List[int]:
     """Tokens appended per sequence by each step, from the sequence length seen after each step."""
-    out = []
-    previous = prompt_length
-    for length in lengths:
-        out.append(length - previous)
-        previous = length
-    return out
+    lengths = list(lengths)
+    return list(map(operator.sub, lengths, [prompt_length] + lengths[:-1]))

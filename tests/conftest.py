@@ -50,6 +50,20 @@ def instrumented(tracer_provider, meter_provider):
 
 
 @pytest.fixture
+def instrument():
+    """``instrument(**options)`` with any options, returning the instrumentor; uninstrumented at teardown."""
+    instrumentor = GenerateInstrumentor()
+
+    def start(**options):
+        instrumentor.instrument(**options)
+        return instrumentor
+
+    yield start
+    if instrumentor.is_instrumented_by_opentelemetry:
+        instrumentor.uninstrument()
+
+
+@pytest.fixture
 def count_recorders(monkeypatch):
     """Count StepRecorder constructions ("init") and step hook calls ("call")."""
     calls = {"init": 0, "call": 0}
@@ -129,6 +143,12 @@ def contract_table(heading):
 
 def request_spans(exporter):
     return [s for s in exporter.get_finished_spans() if s.name.startswith(A.OPERATION_TEXT_COMPLETION + " ")]
+
+
+def only_request(exporter):
+    spans = request_spans(exporter)
+    assert len(spans) == 1, [s.name for s in exporter.get_finished_spans()]
+    return spans[0]
 
 
 def step_spans(exporter, request=None):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import prompt, request_spans, step_spans, uninstrumented_generate
+from conftest import only_request, prompt, request_spans, step_spans, uninstrumented_generate
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -26,26 +26,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture
-def instrument():
-    """``instrument(**options)``; uninstrumented at teardown."""
-    instrumentor = GenerateInstrumentor()
-
-    def start(**options):
-        instrumentor.instrument(**options)
-        return instrumentor
-
-    yield start
-    if instrumentor.is_instrumented_by_opentelemetry:
-        instrumentor.uninstrument()
-
-
-def only_request(exporter):
-    spans = request_spans(exporter)
-    assert len(spans) == 1, [s.name for s in exporter.get_finished_spans()]
-    return spans[0]
 
 
 class SleepAt(LogitsProcessor):

@@ -15,39 +15,19 @@ import pytest
 import tiny_models
 import torch
 import wrapt
-from conftest import request_spans, step_spans, uninstrumented_generate
+from conftest import only_request, request_spans, step_spans, uninstrumented_generate
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from test_semconv import histogram_points
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from otel_generate import GenerateInstrumentor
 from otel_generate import attributes as A
-
-
-@pytest.fixture
-def instrument():
-    instrumentor = GenerateInstrumentor()
-
-    def start(**options):
-        instrumentor.instrument(**options)
-        return instrumentor
-
-    yield start
-    if instrumentor.is_instrumented_by_opentelemetry:
-        instrumentor.uninstrument()
 
 
 def ids(*tokens):
     x = torch.tensor([list(tokens)])
     return x, torch.ones_like(x)
-
-
-def only_request(exporter):
-    spans = request_spans(exporter)
-    assert len(spans) == 1, [s.name for s in exporter.get_finished_spans()]
-    return spans[0]
 
 
 def test_background_emission_is_drained_at_interpreter_exit(tmp_path):

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 import transformers
-from conftest import prompt, request_spans, step_spans, uninstrumented_generate
+from conftest import only_request, prompt, request_spans, step_spans, uninstrumented_generate
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.instrumentation.utils import suppress_instrumentation
@@ -60,12 +60,6 @@ class StopRowAfter(StoppingCriteria):
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
         done[self.row] = input_ids.shape[-1] - self.prompt_length >= self.after
         return done
-
-
-def only_request(exporter):
-    spans = request_spans(exporter)
-    assert len(spans) == 1, [s.name for s in exporter.get_finished_spans()]
-    return spans[0]
 
 
 # --- the cases ---------------------------------------------------------------------------

@@ -7,19 +7,12 @@ import time
 import pytest
 import tiny_models
 import torch
-from conftest import prompt, request_spans, step_spans, uninstrumented_generate
+from conftest import only_request, prompt, request_spans, step_spans, uninstrumented_generate
 from test_semconv import histogram_points
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from otel_generate import attributes as A
 from otel_generate.bench.models import EOS_TOKEN_ID
-
-
-def only_request(exporter):
-    spans = request_spans(exporter)
-    assert len(spans) == 1, [s.name for s in exporter.get_finished_spans()]
-    return spans[0]
-
 
 # --- finish reasons ---------------------------------------------------------------------------------
 

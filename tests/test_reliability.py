@@ -38,7 +38,15 @@ import weakref
 import pytest
 import torch
 import wrapt
-from conftest import console_spans, contract_table, prompt, request_spans, step_spans, uninstrumented_generate
+from conftest import (
+    console_spans,
+    contract_table,
+    only_request,
+    prompt,
+    request_spans,
+    step_spans,
+    uninstrumented_generate,
+)
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.instrumentation.utils import suppress_instrumentation
@@ -129,12 +137,6 @@ def provider_with(processor_factory=SimpleSpanProcessor, exporter=None, **provid
     provider = TracerProvider(**provider_kwargs)
     provider.add_span_processor(processor_factory(exporter))
     return provider, exporter
-
-
-def only_request(exporter):
-    spans = request_spans(exporter)
-    assert len(spans) == 1, [s.name for s in exporter.get_finished_spans()]
-    return spans[0]
 
 
 def warnings_from_package(caplog):

@@ -154,51 +154,17 @@ class _Waves:
 
 def compare_waves(waves: _Waves, monitor: Optional[H.LoadMonitor] = None) -> Dict[str, Any]:
     """Plain vs instrumented waves, interleaved A B A B (see the module docstring)."""
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    from otel_generate import GenerateInstrumentor
-    from otel_generate.options import DEFAULT_MAX_STEP_SPANS, ENV_MAX_STEP_SPANS, env_int
-
-    H._check_uninstrumented()
     config = waves.config
-    clock = waves.clock
-    instrumentor = GenerateInstrumentor()
-    exporter, metric_reader = H.make_exporters(config.exporter)
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=1 << 16))
-    meter_provider = MeterProvider(metric_readers=[metric_reader])
-    options: Dict[str, Any] = dict(tracer_provider=tracer_provider, meter_provider=meter_provider, skip_dep_check=True)
-    if config.max_step_spans is not None:
-        options["max_step_spans"] = config.max_step_spans
-        max_step_spans = config.max_step_spans
-    else:
-        max_step_spans = env_int(ENV_MAX_STEP_SPANS, DEFAULT_MAX_STEP_SPANS)
-    if config.step_spans is not None:
-        options["step_spans"] = config.step_spans
-    policy = config.step_spans or os.environ.get("OTEL_GENERATE_STEP_SPANS", "all").strip().lower() or "all"
-    flushes_complete = True
+    side = H.InstrumentedSide(config, waves.clock, max_queue_size=1 << 16)
+    exporter = side.exporter
 
     def plain() -> Tuple[List[List[int]], float, int]:
         gc.collect()
         return waves.wave()
 
     def instrumented() -> Tuple[List[List[int]], float, int, float, float]:
-        nonlocal flushes_complete
-        instrumentor.instrument(**options)
-        try:
-            gc.collect()
-            outputs, elapsed, steps = waves.wave()
-            start = clock()
-            traced = tracer_provider.force_flush()  # drains the emitter, then the span processor
-            middle = clock()
-            metered = meter_provider.force_flush()
-            end = clock()
-        finally:
-            instrumentor.uninstrument()
-        flushes_complete = flushes_complete and traced is not False and metered is not False
-        return outputs, elapsed, steps, middle - start, end - middle
+        (outputs, elapsed, steps), flush_trace, flush_metric = side.run(waves.wave)
+        return outputs, elapsed, steps, flush_trace, flush_metric
 
     waves.start()
     try:
@@ -206,7 +172,7 @@ def compare_waves(waves: _Waves, monitor: Optional[H.LoadMonitor] = None) -> Dic
             plain()
             instrumented()
         spans_before = exporter.spans
-        flushes_complete = True
+        side.flushes_complete = True
         plain_s: List[float] = []
         instr_s: List[float] = []
         trace_flush_s: List[float] = []
@@ -232,21 +198,14 @@ def compare_waves(waves: _Waves, monitor: Optional[H.LoadMonitor] = None) -> Dic
         exported_bytes = exporter.bytes
     finally:
         waves.stop()
-        tracer_provider.shutdown()
-        meter_provider.shutdown()
+        side.shutdown()
     deferred = [t + m for t, m in zip(trace_flush_s, metric_flush_s)]
     per_request_tokens = [len(t) for t in out_a] if config.runs else []
     result: Dict[str, Any] = {
         "pairs": config.runs,
         "order": "A B A B (plain, then instrumented, per pair); deferred work finished after each B, untimed by A or B",
         "plain": "the manager with no hook of this package (uninstrumented)",
-        "instrumented": (
-            "GenerateInstrumentor().instrument(tracer_provider=SDK TracerProvider + BatchSpanProcessor + "
-            f"{config.exporter} exporter, meter_provider=SDK MeterProvider"
-            + (f", max_step_spans={config.max_step_spans}" if config.max_step_spans is not None else "")
-            + (f", step_spans={config.step_spans!r}" if config.step_spans is not None else "")
-            + ")"
-        ),
+        "instrumented": side.description,
         "deferred": (
             "after each instrumented run, outside its timer: tracer_provider.force_flush() (drains the background "
             "emitter, then the span processor) and meter_provider.force_flush(), each timed; charged to that run"
@@ -287,19 +246,11 @@ def compare_waves(waves: _Waves, monitor: Optional[H.LoadMonitor] = None) -> Dic
     result.update(
         {
             "spans_exported": spans_exported,
-            "max_step_spans": max_step_spans,
-            "step_spans": policy,
-            # per run and request: the request span + one span per step (one prefill step, then one per further
-            # token); the step-span policy emits none (none) or only some (slow: not predictable, None)
-            "spans_expected": (
-                config.runs * sum(1 + min(n, max_step_spans) for n in per_request_tokens)
-                if policy == "all"
-                else config.runs * len(per_request_tokens)
-                if policy == "none"
-                else None
-            ),
+            "max_step_spans": side.max_step_spans,
+            "step_spans": side.policy,
+            "spans_expected": side.spans_expected(per_request_tokens * config.runs),
             "exported_bytes": exported_bytes,
-            "flushes_complete": flushes_complete,
+            "flushes_complete": side.flushes_complete,
             "outputs_identical": identical,
         }
     )

@@ -801,6 +801,105 @@ def _with_iqr(result: Dict[str, Any], name: str, values: Sequence[float]) -> Non
     result[f"iqr_{name}"] = iqr_of(values)
 
 
+class InstrumentedSide:
+    """The instrumented side of a plain-vs-instrumented comparison (``--compare``, ``--continuous-batching``).
+
+    SDK providers with the ``--exporter`` (a ``TracerProvider`` + ``BatchSpanProcessor``, a
+    ``MeterProvider``; see :func:`make_exporters`) and the ``instrument()`` options the config asks
+    for (``--max-step-spans``, ``--step-spans``, ``--background-emission``). :meth:`run` times one
+    call instrumented and then finishes the work it deferred, outside its timer.
+
+    Raises:
+        BenchUsageError: generate() is already instrumented (e.g. under ``opentelemetry-instrument``),
+            so no plain path exists in this process.
+    """
+
+    def __init__(self, config: BenchConfig, clock: Callable[[], float], max_queue_size: Optional[int] = None) -> None:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        from otel_generate import GenerateInstrumentor
+        from otel_generate.options import DEFAULT_MAX_STEP_SPANS, ENV_MAX_STEP_SPANS, env_int
+
+        _check_uninstrumented()
+        self.clock = clock
+        self.instrumentor = GenerateInstrumentor()
+        self.exporter, self.metric_reader = make_exporters(config.exporter)
+        self.tracer_provider = TracerProvider()
+        queue = {} if max_queue_size is None else {"max_queue_size": max_queue_size}
+        self.tracer_provider.add_span_processor(BatchSpanProcessor(self.exporter, **queue))
+        self.meter_provider = MeterProvider(metric_readers=[self.metric_reader])
+        self.options: Dict[str, Any] = dict(
+            tracer_provider=self.tracer_provider, meter_provider=self.meter_provider, skip_dep_check=True
+        )
+        if config.max_step_spans is not None:
+            self.options["max_step_spans"] = config.max_step_spans
+        if config.step_spans is not None:
+            self.options["step_spans"] = config.step_spans
+        if config.background_emission:
+            self.options["background_emission"] = True
+        #: what instrument() uses: the option, else its environment variable or default
+        self.max_step_spans = (
+            config.max_step_spans
+            if config.max_step_spans is not None
+            else env_int(ENV_MAX_STEP_SPANS, DEFAULT_MAX_STEP_SPANS)
+        )
+        self.policy = config.step_spans or os.environ.get("OTEL_GENERATE_STEP_SPANS", "all").strip().lower() or "all"
+        self.flushes_complete = True
+        self.description = (
+            "GenerateInstrumentor().instrument(tracer_provider=SDK TracerProvider + BatchSpanProcessor + "
+            + (
+                "discarding SpanExporter, meter_provider=SDK MeterProvider + InMemoryMetricReader"
+                if config.exporter == "discard"
+                else "SpanExporter that encodes OTLP protobuf and discards the bytes, meter_provider=SDK "
+                "MeterProvider + PeriodicExportingMetricReader whose exporter encodes OTLP protobuf and discards "
+                "the bytes"
+            )
+            + (f", max_step_spans={config.max_step_spans}" if config.max_step_spans is not None else "")
+            + (f", step_spans={config.step_spans!r}" if config.step_spans is not None else "")
+            + (", background_emission=True" if config.background_emission else "")
+            + ")"
+        )
+
+    def run(self, timed: Callable[[], Any]) -> Tuple[Any, float, float]:
+        """``instrument()``, ``gc.collect()``, ``timed()`` (the call, which times itself), then the
+        work it deferred, outside its timer: ``tracer_provider.force_flush()`` (drains the background
+        emitter, then the span processor; with ``otlp-encode`` that is the encoding) and
+        ``meter_provider.force_flush()`` (the metric collection), each timed; ``uninstrument()``.
+
+        Returns:
+            ``(timed()'s result, trace flush seconds, metric flush seconds)``.
+        """
+        self.instrumentor.instrument(**self.options)
+        try:
+            gc.collect()
+            result = timed()
+            start = self.clock()
+            traced = self.tracer_provider.force_flush()
+            middle = self.clock()
+            metered = self.meter_provider.force_flush()
+            end = self.clock()
+        finally:
+            self.instrumentor.uninstrument()
+        self.flushes_complete = self.flushes_complete and traced is not False and metered is not False
+        return result, middle - start, end - middle
+
+    def spans_expected(self, tokens_per_request: Sequence[int]) -> Optional[int]:
+        """Spans the requests should export: each a request span and one span per step (at most
+        ``max_step_spans``; one prefill step, then one per further token), unless the step-span
+        policy emits none (``none``) or only some (``slow``: not predictable, ``None``)."""
+        if self.policy == "all":
+            return sum(1 + min(n, self.max_step_spans) for n in tokens_per_request)
+        if self.policy == "none":
+            return len(tokens_per_request)
+        return None
+
+    def shutdown(self) -> None:
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+
+
 def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str, Any]:
     """Plain vs instrumented ``generate()``, interleaved A B A B; ``runs`` pairs after ``warmup`` pairs.
 
@@ -837,54 +936,18 @@ def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str,
             so no plain path exists in this process.
     """
     import torch
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from otel_generate import GenerateInstrumentor
-    from otel_generate.options import DEFAULT_MAX_STEP_SPANS, ENV_MAX_STEP_SPANS, env_int
-
-    _check_uninstrumented()
     config = runner.config
-    clock = runner.clock
-    instrumentor = GenerateInstrumentor()
-    exporter, metric_reader = make_exporters(config.exporter)
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
-    meter_provider = MeterProvider(metric_readers=[metric_reader])
-    options: Dict[str, Any] = dict(tracer_provider=tracer_provider, meter_provider=meter_provider, skip_dep_check=True)
-    if config.max_step_spans is not None:
-        options["max_step_spans"] = config.max_step_spans
-        max_step_spans = config.max_step_spans
-    else:
-        max_step_spans = env_int(ENV_MAX_STEP_SPANS, DEFAULT_MAX_STEP_SPANS)  # what instrument() uses
-    if config.step_spans is not None:
-        options["step_spans"] = config.step_spans
-    if config.background_emission:
-        options["background_emission"] = True
-    policy = config.step_spans or os.environ.get("OTEL_GENERATE_STEP_SPANS", "all").strip().lower() or "all"
-    flushes_complete = True
+    side = InstrumentedSide(config, runner.clock)
+    exporter, metric_reader = side.exporter, side.metric_reader
 
     def plain() -> Tuple[Any, float]:
         gc.collect()
         return runner.timed()
 
     def instrumented() -> Tuple[Any, float, float, float]:
-        nonlocal flushes_complete
-        instrumentor.instrument(**options)
-        try:
-            gc.collect()
-            output, elapsed = runner.timed()
-            # the work this call deferred, finished now, outside the timers, and charged to it
-            start = clock()
-            traced = tracer_provider.force_flush()
-            middle = clock()
-            metered = meter_provider.force_flush()
-            end = clock()
-        finally:
-            instrumentor.uninstrument()
-        flushes_complete = flushes_complete and traced is not False and metered is not False
-        return output, elapsed, middle - start, end - middle
+        (output, elapsed), flush_trace, flush_metric = side.run(runner.timed)
+        return output, elapsed, flush_trace, flush_metric
 
     try:
         for _ in range(config.warmup):
@@ -894,7 +957,7 @@ def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str,
         bytes_before = exporter.bytes
         metric_exporter = getattr(metric_reader, "exporter", None)
         metric_bytes_before = metric_exporter.bytes if metric_exporter is not None else None
-        flushes_complete = True
+        side.flushes_complete = True
         plain_s: List[float] = []
         instr_s: List[float] = []
         trace_flush_s: List[float] = []
@@ -923,32 +986,18 @@ def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str,
         exported_bytes = None if exporter.bytes is None else exporter.bytes - bytes_before
         metric_bytes = None if metric_exporter is None else metric_exporter.bytes - metric_bytes_before
     finally:
-        tracer_provider.shutdown()
-        meter_provider.shutdown()
+        side.shutdown()
     deferred = [t + m for t, m in zip(trace_flush_s, metric_flush_s)]
     ratios = [b / a for a, b in zip(plain_s, instr_s)]
     ratios_deferred = [(b + d) / a for a, b, d in zip(plain_s, instr_s, deferred)]
     added = [(b - a) / n * 1e6 for a, b, n in zip(plain_s, instr_s, steps)]
     added_deferred = [(b + d - a) / n * 1e6 for a, b, d, n in zip(plain_s, instr_s, deferred, steps)]
-    instrumented_description = (
-        "GenerateInstrumentor().instrument(tracer_provider=SDK TracerProvider + BatchSpanProcessor + "
-        + (
-            "discarding SpanExporter, meter_provider=SDK MeterProvider + InMemoryMetricReader"
-            if config.exporter == "discard"
-            else "SpanExporter that encodes OTLP protobuf and discards the bytes, meter_provider=SDK MeterProvider + "
-            "PeriodicExportingMetricReader whose exporter encodes OTLP protobuf and discards the bytes"
-        )
-        + (f", max_step_spans={config.max_step_spans}" if config.max_step_spans is not None else "")
-        + (f", step_spans={config.step_spans!r}" if config.step_spans is not None else "")
-        + (", background_emission=True" if config.background_emission else "")
-        + ")"
-    )
     result: Dict[str, Any] = {
         "pairs": config.runs,
         "order": "A B A B (plain, then instrumented, per pair); deferred work finished after each B, untimed by A or B",
         "runs": "runs of their own, separate from the measured (profiled) runs of the headline",
         "plain": "GenerationMixin.generate uninstrumented (the original function; no wrapper runs)",
-        "instrumented": instrumented_description,
+        "instrumented": side.description,
         "deferred": (
             "after each instrumented call, outside its timer and before the next run: "
             "tracer_provider.force_flush() then meter_provider.force_flush(), each timed; charged to that call"
@@ -978,20 +1027,12 @@ def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str,
         {
             "spans_exported": spans_exported,
             "spans_exported_after_each_flush": exported_after,
-            "max_step_spans": max_step_spans,
-            # per run: the request span + one span per step (at most max_step_spans), unless the
-            # step-span policy emits none (none) or only some (slow: not predictable, None)
-            "step_spans": policy,
-            "spans_expected": (
-                sum(1 + min(n, max_step_spans) for n in steps)
-                if policy == "all"
-                else len(steps)
-                if policy == "none"
-                else None
-            ),
+            "max_step_spans": side.max_step_spans,
+            "step_spans": side.policy,
+            "spans_expected": side.spans_expected(steps),
             "exported_bytes": exported_bytes,
             "exported_metric_bytes": metric_bytes,
-            "flushes_complete": flushes_complete,
+            "flushes_complete": side.flushes_complete,
             "outputs_identical": identical,
         }
     )

@@ -282,6 +282,22 @@ def _fill_steps(request: Request, steps: List[list], start_ns: int) -> None:
         request.queue_ns = request.step_starts_ns[0] - start_ns
 
 
+def _incomplete_request(state: "_ManagerState", record: _Record, now_ns: int) -> Request:
+    """A request whose steps could not be accounted: its span still ends at ``now_ns`` (monotonic
+    nanoseconds), marked incomplete, with what was known at submission."""
+    return Request(
+        model=state.model_name,
+        start_ns=record.start_ns,
+        start_wall_ns=record.start_wall_ns,
+        timed=record.timed,
+        device=state.device,
+        parameters=dict(record.parameters),
+        request_id=record.request_id,
+        incomplete=True,
+        end_ns=max(now_ns, record.start_ns),
+    )
+
+
 def _request_of(state: "_ManagerState", record: _Record, derived: _Derived) -> Request:
     request = Request(
         model=state.model_name,
@@ -430,17 +446,7 @@ class _ManagerState:
                 if record.group is not None:
                     continue  # the group reports the row as missing
                 # the span still ends, marked incomplete; the other requests are not affected
-                request = Request(
-                    model=self.model_name,
-                    start_ns=record.start_ns,
-                    start_wall_ns=record.start_wall_ns,
-                    timed=record.timed,
-                    device=self.device,
-                    parameters=dict(record.parameters),
-                    request_id=record.request_id,
-                    incomplete=True,
-                    end_ns=max(clock.monotonic_ns(), record.start_ns),
-                )
+                request = _incomplete_request(self, record, clock.monotonic_ns())
             out.append((record, request))
         return out
 
@@ -603,19 +609,9 @@ def end_in_flight(telemetry: emit.Telemetry) -> None:
             for record in pending:
                 try:
                     request = _request_of(state, record, _derive(record))
+                    request.incomplete, request.finish_reasons, request.end_ns = True, None, max(now, record.start_ns)
                 except Exception:
-                    request = Request(
-                        model=state.model_name,
-                        start_ns=record.start_ns,
-                        start_wall_ns=record.start_wall_ns,
-                        timed=record.timed,
-                        device=state.device,
-                        parameters=dict(record.parameters),
-                        request_id=record.request_id,
-                    )
-                request.incomplete = True
-                request.finish_reasons = None
-                request.end_ns = max(now, record.start_ns)
+                    request = _incomplete_request(state, record, now)
                 emit.finish(telemetry, record.span, request, record.profilers)
         except Exception as fault:
             log_fault_once("continuous batching uninstrument", fault)

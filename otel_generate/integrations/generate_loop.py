@@ -414,12 +414,12 @@ class Call:
                 ends.extend(loop.step_ends_ns)
                 tokens.extend(loop.step_tokens)
                 continue
-            previous = loop.start_ns
-            for end, count in zip(loop.step_ends_ns, loop.step_tokens):
-                starts.append(previous)
-                ends.append(end)
-                tokens.append(count)
-                previous = end
+            steps = min(len(loop.step_ends_ns), len(loop.step_tokens))
+            loop_ends = loop.step_ends_ns[:steps]
+            if loop_ends:  # each step starts where the one before it ended
+                starts.extend([loop.start_ns] + loop_ends[:-1])
+            ends.extend(loop_ends)
+            tokens.extend(loop.step_tokens[:steps])
         request.step_ends_ns, request.step_starts_ns, request.step_tokens = ends, starts, tokens
         if self.timed and exc is None and any(loop.unobserved for loop in loops) and not ends:
             request.unobserved = next(loop.unobserved for loop in loops if loop.unobserved)
