@@ -267,7 +267,7 @@ def finish(
 def _annotate(telemetry: Telemetry, span: Any, request: Request, yield_every: int = 0) -> GenerationRecord:
     """Set the request attributes and build the step spans; return the record for the APIs."""
     latencies_ns = request.step_latencies_ns()
-    latencies_s = list(map(float(clock.NS_PER_S).__rtruediv__, latencies_ns))  # latency / NS_PER_S each
+    latencies_s = [latency / clock.NS_PER_S for latency in latencies_ns]
     ttft_ns = request.time_to_first_token_ns()
     tpot_ns = request.time_per_output_token_ns()
     etype = error_type(request.error) if request.error is not None else None

@@ -87,8 +87,9 @@ def counts_from_done(
     """Generated tokens per row from when each row was stopped, as the stopping criteria said.
 
     Args:
-        done: one BoolTensor ``(rows,)`` per step, the value ``StoppingCriteriaList`` returned
-            (``GenerationMixin._sample``/``_assisted_decoding`` mark a row finished at its first ``True``).
+        done: one tensor ``(rows,)`` per step, the value ``StoppingCriteriaList`` returned: bool,
+            or long when a user criterion returns long values (``GenerationMixin._sample``/
+            ``_assisted_decoding`` mark a row finished at its first ``True``; nonzero here).
         lengths: sequence length after each step (prompt included), ``len(lengths) == len(done)``.
         prompt_length: leading positions that were not generated.
         sequences: the returned LongTensor ``(rows, total_length)``.
@@ -109,8 +110,11 @@ def counts_from_done(
         return None
     if stacked.dim() != 2 or stacked.shape[1] != rows:
         return None
+    # A user criterion returning a LongTensor makes the list return long values (bool | long), not
+    # only 0/1: a row is done at its first nonzero step, so reduce truth values, not the values.
+    marked = stacked.bool().long()
     # per row: whether a step marked it done, and the first step that did (argmax: first maximum)
-    ended, first = torch.stack([stacked.any(dim=0).long(), stacked.long().argmax(dim=0)]).cpu().tolist()
+    ended, first = torch.stack([marked.amax(dim=0), marked.argmax(dim=0)]).cpu().tolist()
     width = int(sequences.shape[-1]) - prompt_length
     return [min(max(lengths[step] - prompt_length, 0), width) if stop else width for stop, step in zip(ended, first)]
 

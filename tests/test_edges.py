@@ -300,3 +300,46 @@ def test_a_stop_string_on_the_last_budget_token_is_stop(instrumented, span_expor
     stopped, budget = sorted(request_spans(span_exporter), key=lambda s: s.start_time)
     assert stopped.attributes[A.GEN_AI_RESPONSE_FINISH_REASONS] == ("stop",)
     assert budget.attributes[A.GEN_AI_RESPONSE_FINISH_REASONS] == ("length",)
+
+
+class _LongValuedCriterion:
+    """A user stopping criterion that returns a LongTensor: 0 for every row until row 0 has
+    ``after`` new tokens, then 1, 2, 3, ... for row 0 (``StoppingCriteriaList`` then returns long
+    values, ``bool | long``)."""
+
+    def __init__(self, prompt_length, after):
+        self.prompt_length, self.after = prompt_length, after
+
+    def __call__(self, input_ids, scores, **kwargs):
+        out = torch.zeros(input_ids.shape[0], dtype=torch.long)
+        out[0] = max(0, input_ids.shape[-1] - self.prompt_length - self.after + 1)
+        return out
+
+
+def test_a_row_ends_at_its_first_nonzero_done_value_when_a_criterion_returns_long_values(
+    instrument, tracer_provider, span_exporter, gpt2
+):
+    """Token counts from the recorded done values used argmax over the values themselves, so a
+    long-valued criterion (0, 0, 1, 2, 3, ...) read as ending the row at its largest value."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from otel_generate.tokens import counts_from_done
+
+    # the unit: a row marked done with 1 at step 1 stays ended there whatever values follow
+    done = [torch.tensor([0]), torch.tensor([1]), torch.tensor([2]), torch.tensor([3])]
+    assert counts_from_done(done, [5, 6, 7, 8], 4, torch.zeros(1, 8, dtype=torch.long)) == [2]
+
+    criterion = type("LongValued", (_LongValuedCriterion, StoppingCriteria), {})(prompt_length=4, after=2)
+    x = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    kwargs = dict(
+        attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    expected = uninstrumented_generate(gpt2, x, stopping_criteria=StoppingCriteriaList([criterion]), **kwargs)
+    instrument(tracer_provider=tracer_provider)
+    out = gpt2.generate(x, stopping_criteria=StoppingCriteriaList([criterion]), **kwargs)
+    assert torch.equal(out, expected)
+    # row 1 ran its 8 tokens; row 0 was stopped after 2 (transformers pads the rest of the row)
+    assert out.shape[-1] - 4 == 8
+    span = only_request(span_exporter)
+    assert span.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 2 + 8
+    assert list(span.attributes[A.GEN_AI_RESPONSE_FINISH_REASONS]) == ["stop", "length"]
