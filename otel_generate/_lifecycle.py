@@ -159,6 +159,23 @@ def _flush_at_exit() -> None:
         pass
 
 
+def flush_in_use(reason: str) -> bool:
+    """Force-flush the providers the instrumentation uses, bounded like :func:`flush`; the
+    providers stay usable. Does nothing (returns ``True``) while the instrumentation is off.
+
+    For a server about to be ended by a signal it re-raises after its own graceful shutdown
+    (uvicorn does so with ``SIGTERM`` and ``SIGINT``): that ends the process without the SDK's
+    exit flush. Never raises.
+    """
+    providers = _providers
+    if providers is None:
+        return True
+    try:
+        return flush(*providers, reason=reason, shutdown=False)
+    except Exception:  # pragma: no cover - never break a shutdown
+        return False
+
+
 def _warn_once(key: Any, message: str, *args: Any) -> None:
     if key not in _warned:
         _warned.add(key)
@@ -193,7 +210,7 @@ def export_timeout_s(signal: str) -> float:
     return DEFAULT_EXPORT_TIMEOUT_S
 
 
-def flush(tracer_provider: Any = None, meter_provider: Any = None, reason: str = "") -> bool:
+def flush(tracer_provider: Any = None, meter_provider: Any = None, reason: str = "", shutdown: bool = True) -> bool:
     """Shut the providers down as a process on its way out does, waiting at most the exporter's timeout.
 
     ``shutdown()`` exports what is queued and stops the providers, exactly what the SDK's own
@@ -205,6 +222,8 @@ def flush(tracer_provider: Any = None, meter_provider: Any = None, reason: str =
         tracer_provider, meter_provider: providers to flush; ``None`` means the global one.
             A provider with neither method (the API's no-op and proxy providers) is skipped.
         reason: words for the warning, e.g. ``"on the way out of process 123"``.
+        shutdown: ``False`` force-flushes instead (``force_flush()``: the providers stay usable),
+            for a process that may go on after the flush.
 
     Returns:
         ``True`` when every provider finished within its bound (:func:`export_timeout_s`);
@@ -221,7 +240,10 @@ def flush(tracer_provider: Any = None, meter_provider: Any = None, reason: str =
             continue
         bound = export_timeout_s(signal)
         thread = threading.Thread(
-            target=_run_flush, args=(signal, provider, bound), name=f"otel_generate-flush-{signal}", daemon=True
+            target=_run_flush,
+            args=(signal, provider, bound, shutdown),
+            name=f"otel_generate-flush-{signal}",
+            daemon=True,
         )
         thread.start()
         running.append((signal, bound, thread))
@@ -240,9 +262,9 @@ def flush(tracer_provider: Any = None, meter_provider: Any = None, reason: str =
     return True
 
 
-def _run_flush(signal: str, provider: Any, bound_s: float) -> None:
+def _run_flush(signal: str, provider: Any, bound_s: float, shut_down: bool = True) -> None:
     try:
-        shutdown = getattr(provider, "shutdown", None)
+        shutdown = getattr(provider, "shutdown", None) if shut_down else None
         if callable(shutdown):
             try:
                 shutdown(timeout_millis=bound_s * 1000)  # MeterProvider takes a bound

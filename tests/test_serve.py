@@ -172,11 +172,10 @@ def test_in_process_serve_puts_each_request_under_its_http_span(
             assert request.attributes[A.GENERATE_TIME_IN_QUEUE] >= 0
 
 
-@pytest.mark.parametrize("mode", ["plain", "continuous_batching"])
-def test_opentelemetry_instrument_serve_puts_each_request_under_its_http_span(mode, model_dir):
+def start_instrumented_serve(model_dir, port, mode, **env_vars):
+    """``opentelemetry-instrument ... transformers serve`` on 127.0.0.1:``port``, console exporter,
+    stdout and stderr piped; ``env_vars`` are added to the environment (no other ``OTEL_*``)."""
     bin_dir = pathlib.Path(sys.executable).parent
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     command = [
         str(bin_dir / "opentelemetry-instrument"),
         "--traces_exporter",
@@ -199,13 +198,31 @@ def test_opentelemetry_instrument_serve_puts_each_request_under_its_http_span(mo
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update(
         OTEL_SERVICE_NAME="serve-test",
-        OTEL_BSP_SCHEDULE_DELAY="100",
         PYTHONUNBUFFERED="1",
         PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
+        **env_vars,
     )
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT)
-    )
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
+
+
+def console_span_records(out):
+    return [
+        {
+            "name": s["name"],
+            "trace_id": int(s["context"]["trace_id"], 16),
+            "span_id": int(s["context"]["span_id"], 16),
+            "parent_id": int(s["parent_id"], 16) if s["parent_id"] else None,
+            "attributes": s["attributes"],
+        }
+        for s in console_spans(out)
+    ]
+
+
+@pytest.mark.parametrize("mode", ["plain", "continuous_batching"])
+def test_opentelemetry_instrument_serve_puts_each_request_under_its_http_span(mode, model_dir):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = start_instrumented_serve(model_dir, port, mode, OTEL_BSP_SCHEDULE_DELAY="100")
     try:
         wait_healthy(url, 240, process)
         rng = random.Random(21)
@@ -221,15 +238,39 @@ def test_opentelemetry_instrument_serve_puts_each_request_under_its_http_span(mo
         except subprocess.TimeoutExpired:
             process.kill()
             out, err = process.communicate()
-    spans = [
-        {
-            "name": s["name"],
-            "trace_id": int(s["context"]["trace_id"], 16),
-            "span_id": int(s["context"]["span_id"], 16),
-            "parent_id": int(s["parent_id"], 16) if s["parent_id"] else None,
-            "attributes": s["attributes"],
-        }
-        for s in console_spans(out)
-    ]
+    spans = console_span_records(out)
     assert spans, err
     check_request_trees(results, spans)
+
+
+@pytest.mark.parametrize("mode", ["plain", "continuous_batching"])
+def test_sigterm_right_after_a_request_still_exports_its_spans(mode, model_dir):
+    """uvicorn shuts the app down on SIGTERM and then re-raises the signal with its default
+    handler, which ends the process without the SDK's exit flush: with the batch span processor's
+    default 5 s delay, a request answered just before ``kill`` lost every span. The app's lifespan
+    now force-flushes on the way down."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = start_instrumented_serve(model_dir, port, mode)  # the default OTEL_BSP_SCHEDULE_DELAY, 5 s
+    try:
+        wait_healthy(url, 240, process)
+        results = serve_demo.send_concurrent(url, PROMPTS[:1], MAX_TOKENS, random.Random(3))
+    finally:
+        process.send_signal(signal.SIGTERM)  # at once: the batch processor has exported nothing yet
+        try:
+            out, err = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+    assert process.returncode == -signal.SIGTERM, err  # the signal ended it, as uvicorn re-raises it
+    spans = console_span_records(out)
+    requests = [s for s in spans if s["name"].startswith(A.OPERATION_TEXT_COMPLETION + " ")]
+    assert len(requests) == 1, (err[-3000:], [s["name"] for s in spans])
+    (request,) = requests
+    steps = [
+        s
+        for s in spans
+        if s["parent_id"] == request["span_id"] and s["name"] in (A.STEP_SPAN_PREFILL, A.STEP_SPAN_DECODE)
+    ]
+    assert len(steps) == request["attributes"][A.GENERATE_STEPS] > 0
+    assert request["attributes"][A.GEN_AI_USAGE_OUTPUT_TOKENS] == results[0]["response"]["usage"]["completion_tokens"]

@@ -15,23 +15,35 @@ context travels, not the handler's other context variables.
 
 With ``--continuous-batching`` the handler calls ``add_request`` itself, in its own context:
 :mod:`.continuous_batching` takes the parent there, and nothing serve-specific is needed.
+
+Shutdown (both modes): on ``SIGTERM`` (``kill``, Kubernetes ending a pod) or ``SIGINT``,
+uvicorn shuts the app down gracefully and then re-raises the signal with its default handler,
+which ends the process without the SDK's exit flush: the spans still queued in the batch span
+processor (up to its 5 s schedule delay) were lost. Hook (when
+``transformers.cli.serving.server`` is imported): the app ``build_server`` returns gets a
+lifespan that, after transformers' own shutdown, force-flushes the providers the
+instrumentation uses, bounded by the exporter's timeout
+(:func:`otel_generate._lifecycle.flush_in_use`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable
 
 import wrapt
 from opentelemetry import context as otel_context
 
-from otel_generate import emit
+from otel_generate import _lifecycle, emit
 from otel_generate._faults import log_fault_once
 from otel_generate._patch import Patches
 
 MODULE = "transformers.cli.serving.utils"
 CLASS = "InferenceThread"
 METHODS = ("submit", "async_submit")
+SERVER_MODULE = "transformers.cli.serving.server"
+SERVER_FACTORY = "build_server"
 
 
 def install(patches: Patches, telemetry: emit.Telemetry) -> None:
@@ -50,7 +62,16 @@ def install(patches: Patches, telemetry: emit.Telemetry) -> None:
         except Exception as fault:
             log_fault_once("serve hook install", fault)
 
+    def on_server_import(module: Any) -> None:
+        if not telemetry.active or not callable(getattr(module, SERVER_FACTORY, None)):
+            return
+        try:
+            patches.replace(module, SERVER_FACTORY, make_build_server, telemetry)
+        except Exception as fault:
+            log_fault_once("serve hook install", fault)
+
     wrapt.register_post_import_hook(on_import, MODULE)
+    wrapt.register_post_import_hook(on_server_import, SERVER_MODULE)
 
 
 def in_context(function: Callable, context: Any) -> Callable:
@@ -80,3 +101,36 @@ def make_submit(original: Callable, telemetry: emit.Telemetry) -> Callable:
         return original(self, *args, **kwargs)
 
     return submit
+
+
+def make_build_server(original: Callable, telemetry: emit.Telemetry) -> Callable:
+    """``build_server(...)``: the app it returns flushes telemetry when its lifespan ends."""
+
+    @functools.wraps(original)
+    def build_server(*args, **kwargs):
+        app = original(*args, **kwargs)
+        if telemetry.active:
+            try:
+                flush_when_lifespan_ends(app)
+            except Exception as fault:
+                log_fault_once("serve shutdown flush install", fault)
+        return app
+
+    return build_server
+
+
+def flush_when_lifespan_ends(app: Any) -> None:
+    """Wrap the Starlette/FastAPI ``app``'s lifespan: after it ends (the app's own shutdown
+    first), force-flush the providers the instrumentation uses, at most the exporter's timeout."""
+    router = app.router
+    lifespan = router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def flushing_lifespan(app: Any):
+        try:
+            async with lifespan(app) as state:
+                yield state
+        finally:
+            _lifecycle.flush_in_use("at the server's shutdown")
+
+    router.lifespan_context = flushing_lifespan
