@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from opentelemetry.sdk._logs.export import SimpleLogRecordProcessor
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.utils import GenerationMixin
 
+import otel_generate
 from otel_generate import GenerateInstrumentor, content
 from otel_generate import attributes as A
 from otel_generate.bench.models import EOS_TOKEN_ID, PAD_TOKEN_ID, build_model
@@ -35,12 +37,17 @@ MESSAGES = (A.GEN_AI_INPUT_MESSAGES, A.GEN_AI_OUTPUT_MESSAGES)
 STEP_CONTENT = (A.GENERATE_STEP_TOKEN_IDS, A.GENERATE_STEP_LOGPROBS)
 
 
+#: The package's own source folder: a hook's code lives below it (a substring test on
+#: "otel_generate" also matched transformers' own files in a venv inside a clone of that name).
+PACKAGE_DIR = os.path.dirname(os.path.abspath(otel_generate.__file__)) + os.sep
+
+
 def hooked(owner, name):
     """Whether ``owner.name`` is one of this package's hooks (its code, or under a compiler shell)."""
     function = owner.__dict__[name]
     for _ in range(3):
         code = getattr(function, "__code__", None)
-        if code is not None and "otel_generate" in code.co_filename:
+        if code is not None and os.path.abspath(code.co_filename).startswith(PACKAGE_DIR):
             return True
         function = getattr(function, "__wrapped__", None)
         if function is None:
@@ -733,16 +740,20 @@ def test_pipelines_are_patched_when_imported_not_imported_by_instrument():
     script = """
 import os, sys
 os.environ["OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"] = "SPAN_ONLY"
+import otel_generate
 from otel_generate import GenerateInstrumentor
+PACKAGE_DIR = os.path.dirname(os.path.abspath(otel_generate.__file__)) + os.sep
+def ours(function):
+    return os.path.abspath(function.__code__.co_filename).startswith(PACKAGE_DIR)
 GenerateInstrumentor().instrument()
 assert "transformers.pipelines.base" not in sys.modules
 GenerateInstrumentor().uninstrument()
 GenerateInstrumentor().instrument()
 from transformers import pipeline  # noqa: F401  (the import that installs the wrapper)
 from transformers.pipelines.base import Pipeline
-print("otel_generate" in Pipeline.__dict__["forward"].__code__.co_filename)
+print(ours(Pipeline.__dict__["forward"]))
 GenerateInstrumentor().uninstrument()
-print("otel_generate" in Pipeline.__dict__["forward"].__code__.co_filename)
+print(ours(Pipeline.__dict__["forward"]))
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
