@@ -270,8 +270,9 @@ def _derive(record: _Record) -> _Derived:
     return derived
 
 
-def _fill_steps(request: Request, steps: List[list], start_ns: int) -> None:
-    """Explicit batch-step bounds, tokens and sharing into ``request`` (starts clamped to ``start_ns``)."""
+def _fill_steps(request: Any, steps: List[list], start_ns: int) -> None:
+    """Explicit batch-step bounds, tokens and sharing into ``request`` (starts clamped to ``start_ns``):
+    a :class:`~otel_generate.request.Request`, or a ``generate()`` loop, which has the same step fields."""
     request.step_starts_ns = [max(step[1], start_ns) for step in steps]
     request.step_ends_ns = [max(step[2], start_ns) for step in steps]
     request.step_tokens = [step[4] for step in steps]
@@ -699,14 +700,7 @@ class PagedGroup:
         parameters[A.GENERATE_BATCH_SIZE] = len(rows)
         loop.parameters = parameters
         if call.timed:
-            holder = Request(model="", start_ns=start_ns, start_wall_ns=0)
-            _fill_steps(holder, steps, start_ns)
-            loop.step_starts_ns = holder.step_starts_ns
-            loop.step_ends_ns = holder.step_ends_ns
-            loop.step_tokens = holder.step_tokens
-            loop.step_requests = holder.step_requests
-            loop.prefill_steps = holder.prefill_steps
-            loop.queue_ns = holder.queue_ns
+            _fill_steps(loop, steps, start_ns)
             loop.incomplete = incomplete
         loop.input_tokens = input_tokens if rows else None
         if per_sequence:
