@@ -108,6 +108,30 @@ def _content_options(options: _options.Options) -> Any:
     )
 
 
+#: The module that defines ``GenerationMixin``; its import installs the loop's hooks.
+GENERATION_MODULE = "transformers.generation.utils"
+
+
+def _install_generation(patches: Patches, telemetry: Telemetry, module: Any) -> None:
+    """``GenerationMixin``'s hooks, run when ``transformers.generation.utils`` is first imported
+    (before any model class exists, so every ``generate`` override is seen)."""
+    mixin = module.GenerationMixin
+    missing = [name for name in generate_loop.REQUIRED if name not in mixin.__dict__]
+    if missing:
+        _LOG.warning(
+            "otel_generate: this transformers has no GenerationMixin.%s; request spans only, no step spans",
+            ", ".join(missing),
+        )
+    telemetry.skip_candidate_calls = generate_loop.assisted_calls_criteria_on_candidates(mixin)
+    for name, factory in generate_loop.HOOKS.items():
+        patches.replace(mixin, name, factory, telemetry)
+    overrides.install(patches, telemetry, mixin)
+    if telemetry.content is not None and telemetry.content.step_logprobs:
+        from otel_generate.integrations import generate_content
+
+        generate_content.install(patches, telemetry, mixin)
+
+
 class GenerateInstrumentor(BaseInstrumentor):
     """An instrumentor for ``transformers.GenerationMixin.generate``.
 
@@ -135,23 +159,18 @@ class GenerateInstrumentor(BaseInstrumentor):
         return super().instrument(**kwargs)
 
     def _instrument(self, **kwargs: Any) -> None:
+        # Nothing is imported here: every patch is installed when its transformers module is first
+        # imported (at once where it already is), so a process that never imports transformers
+        # pays only this package's own import.
         options = _options.resolve(kwargs)
-        from transformers.generation.utils import GenerationMixin
-
         from otel_generate.profiler import active_profilers
 
-        missing = [name for name in generate_loop.REQUIRED if name not in GenerationMixin.__dict__]
-        if missing:
-            _LOG.warning(
-                "otel_generate: this transformers has no GenerationMixin.%s; request spans only, no step spans",
-                ", ".join(missing),
-            )
         telemetry = Telemetry(
             tracer=get_tracer(options.tracer_provider),
             instruments=create_instruments(options.meter_provider),
             synchronize=options.synchronize,
             max_step_spans=options.max_step_spans,
-            skip_candidate_calls=generate_loop.assisted_calls_criteria_on_candidates(GenerationMixin),
+            skip_candidate_calls=False,  # read from GenerationMixin when its module is imported
             profilers=active_profilers,
             content=_content_options(options),
             options=options,
@@ -160,21 +179,16 @@ class GenerateInstrumentor(BaseInstrumentor):
         # generate() and custom_generate (overrides), Whisper's windows (whisper), and, only when
         # content capture is on, the pipelines' tokenizer and the step log-probabilities (content).
         patches = Patches()
-        for name, factory in generate_loop.HOOKS.items():
-            patches.replace(GenerationMixin, name, factory, telemetry)
-        overrides.install(patches, telemetry, GenerationMixin)
+        patches.on_import(GENERATION_MODULE, lambda module: _install_generation(patches, telemetry, module))
         whisper.install(patches, telemetry)
-        # Serving paths, hooked when their modules are imported: continuous batching (its requests'
-        # spans are built on a background emitter, created then) and `transformers serve`.
+        # Serving paths: continuous batching (its requests' spans are built on a background emitter,
+        # created then) and `transformers serve`.
         continuous_batching.install(patches, telemetry)
         serve.install(patches, telemetry)
-        if telemetry.content is not None:
-            from otel_generate.integrations import generate_content, pipelines
+        if telemetry.content is not None and telemetry.content.mode is not _content.ContentMode.NO_CONTENT:
+            from otel_generate.integrations import pipelines
 
-            if telemetry.content.mode is not _content.ContentMode.NO_CONTENT:
-                pipelines.install(patches, telemetry)
-            if telemetry.content.step_logprobs:
-                generate_content.install(patches, telemetry, GenerationMixin)
+            pipelines.install(patches, telemetry)
         if options.background_emission:
             telemetry.start_emitter(patches)
         self._telemetry, self._patches = telemetry, patches

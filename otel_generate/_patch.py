@@ -20,6 +20,12 @@ wherever each one sits in a chain of wrappers:
 
 The chain is only searched down to our own function: what ours replaced (transformers'
 ``torch.no_grad()``-decorated ``generate``, with a ``__wrapped__`` of its own) is never unwrapped.
+
+Nothing is imported to be patched: :meth:`Patches.on_import` runs an installer when its module
+is first imported (at once when it already is), through ``wrapt.register_post_import_hook``.
+wrapt cannot unregister such a hook, so :meth:`Patches.restore_all` cancels the ones that have
+not fired: each registration becomes a no-op that holds nothing, and a later ``instrument()``
+registers fresh ones.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import wrapt
 
+from otel_generate._faults import log_fault_once
+
 _LOG = logging.getLogger("otel_generate")
 _MISSING = object()
 #: wrapt's proxy base class (``BaseObjectProxy`` in wrapt 2, ``ObjectProxy`` in wrapt 1): its
@@ -39,12 +47,55 @@ _PROXY = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)
 _MAX_CHAIN = 64
 
 
+class _ImportHook:
+    """One post-import hook registered with wrapt; :meth:`cancel` makes it a no-op that holds nothing."""
+
+    __slots__ = ("installer", "module")
+
+    def __init__(self, installer: Callable[[Any], None], module: str) -> None:
+        self.installer: Optional[Callable[[Any], None]] = installer
+        self.module = module
+
+    def __call__(self, module: Any) -> None:
+        installer = self.installer
+        if installer is None:
+            return
+        try:
+            installer(module)
+        except Exception as fault:  # never break the application's import
+            log_fault_once(f"hook install on import of {self.module}", fault)
+
+    def cancel(self) -> None:
+        self.installer = None
+
+
 class Patches:
-    """The replacements one ``instrument()`` installed, oldest first."""
+    """The replacements one ``instrument()`` installed, oldest first, and its pending import hooks."""
 
     def __init__(self) -> None:
         self._installed: List[Tuple[Any, str, Any, Any]] = []  # (owner, name, replacement, previous)
-        self._lock = threading.Lock()
+        self._hooks: List[_ImportHook] = []
+        self._closed = False  # restore_all() ran: nothing more is installed
+        self._lock = threading.RLock()
+
+    def on_import(self, module: str, installer: Callable[[Any], None]) -> None:
+        """Run ``installer(module object)`` when ``module`` is first imported, or now if it already is.
+
+        Nothing is imported here. The installer runs inside the import that loads the module
+        (before the importer continues), at most once; an exception it raises is logged once and
+        never reaches the import. :meth:`restore_all` cancels it if it has not run yet.
+        """
+        hook = _ImportHook(installer, module)
+        with self._lock:
+            if self._closed:
+                return
+            self._hooks.append(hook)
+        wrapt.register_post_import_hook(hook, module)
+
+    def pending_imports(self) -> Tuple[str, ...]:
+        """The modules whose hooks are registered and not cancelled (fired ones included)."""
+        with self._lock:
+            return tuple(hook.module for hook in self._hooks if hook.installer is not None)
 
     def replace(self, owner: Any, name: str, factory: Callable[..., Any], *factory_args: Any) -> bool:
         """Replace ``owner.__dict__[name]`` by ``factory(original, *factory_args)``.
@@ -53,6 +104,8 @@ class Patches:
         when this set of patches already replaced it.
         """
         with self._lock:
+            if self._closed:
+                return False
             previous = vars(owner).get(name, _MISSING)
             if previous is _MISSING or self._find(owner, name) is not None:
                 return False
@@ -64,7 +117,7 @@ class Patches:
     def add(self, owner: Any, name: str, value: Any) -> bool:
         """Set ``owner.name = value`` where ``owner`` does not define ``name`` itself (deleted again on restore)."""
         with self._lock:
-            if name in vars(owner):
+            if self._closed or name in vars(owner):
                 return False
             setattr(owner, name, value)
             self._installed.append((owner, name, value, _MISSING))
@@ -83,11 +136,16 @@ class Patches:
             return tuple((owner, name) for owner, name, _, _ in self._installed)
 
     def restore_all(self) -> None:
-        """Undo every patch, newest first; never raises. The caller turns the hooks inert first
-        (``Telemetry.active = False``), so what cannot be removed only passes through; one warning
-        names it."""
+        """Cancel the import hooks that have not fired, then undo every patch, newest first; never
+        raises. Nothing is installed through this object afterwards. The caller turns the hooks
+        inert first (``Telemetry.active = False``), so what cannot be removed only passes through;
+        one warning names it."""
         with self._lock:
+            self._closed = True
+            hooks, self._hooks = self._hooks, []
             installed, self._installed = self._installed, []
+        for hook in hooks:
+            hook.cancel()
         stuck = []
         for owner, name, replacement, previous in reversed(installed):
             try:

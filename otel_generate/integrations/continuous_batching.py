@@ -47,7 +47,6 @@ import time
 import weakref
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-import wrapt
 from opentelemetry import context as otel_context
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
@@ -122,7 +121,7 @@ def install(patches: Patches, telemetry: emit.Telemetry) -> None:
         except Exception as fault:
             log_fault_once("continuous batching hook install", fault)
 
-    wrapt.register_post_import_hook(on_import, MODULE)
+    patches.on_import(MODULE, on_import)
 
 
 # --- per request ---------------------------------------------------------------------------------

@@ -23,8 +23,6 @@ import contextvars
 import functools
 from typing import Any, Callable, Optional
 
-import wrapt
-
 from otel_generate import emit
 from otel_generate._faults import log_fault_once
 from otel_generate._patch import Patches
@@ -86,4 +84,4 @@ def install(patches: Patches, telemetry: emit.Telemetry) -> None:
         except Exception as fault:
             log_fault_once("pipeline instrumentation", fault)
 
-    wrapt.register_post_import_hook(on_import, MODULE)
+    patches.on_import(MODULE, on_import)

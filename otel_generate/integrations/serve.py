@@ -32,7 +32,6 @@ import contextlib
 import functools
 from typing import Any, Callable
 
-import wrapt
 from opentelemetry import context as otel_context
 
 from otel_generate import _lifecycle, emit
@@ -70,8 +69,8 @@ def install(patches: Patches, telemetry: emit.Telemetry) -> None:
         except Exception as fault:
             log_fault_once("serve hook install", fault)
 
-    wrapt.register_post_import_hook(on_import, MODULE)
-    wrapt.register_post_import_hook(on_server_import, SERVER_MODULE)
+    patches.on_import(MODULE, on_import)
+    patches.on_import(SERVER_MODULE, on_server_import)
 
 
 def in_context(function: Callable, context: Any) -> Callable:

@@ -13,8 +13,6 @@ import functools
 import inspect
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import wrapt
-
 from otel_generate import attributes as A
 from otel_generate import emit
 from otel_generate._faults import log_fault_once
@@ -41,7 +39,7 @@ def install(patches: Patches, telemetry: emit.Telemetry) -> None:
         except Exception as fault:
             log_fault_once("whisper hook install", fault)
 
-    wrapt.register_post_import_hook(on_import, MODULE)
+    patches.on_import(MODULE, on_import)
 
 
 def _active_call() -> Optional[Call]:
