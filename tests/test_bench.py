@@ -644,8 +644,10 @@ def test_compare_interleaves_plain_and_instrumented_and_reports_paired_numbers(m
     monkeypatch.setattr(harness._Runner, "timed", timed)
     result = harness.run(harness.BenchConfig(new_tokens=4, warmup=1, runs=3, compare=True))
     cmp = result["compare"]
-    # measured runs (profiler: instrumented), then compare: warmup pair, then 3 pairs, A B A B
-    assert instrumented_at_call[3:] == [False, True] * 4
+    # measured runs (profiler: instrumented), then compare: warmup pair, then 3 pairs, A B A B; then the
+    # same with the instrumentor set up once and kept (its plain runs under suppress_instrumentation())
+    assert instrumented_at_call[3:11] == [False, True] * 4
+    assert instrumented_at_call[11:] == [True, True] * 4
     assert cmp["pairs"] == 3 and cmp["steps"] == [4, 4, 4]
     assert cmp["paired_ratios"] == [b / a for a, b in zip(cmp["plain_elapsed_s"], cmp["instrumented_elapsed_s"])]
     assert cmp["median_paired_ratio"] == statistics.median(cmp["paired_ratios"])
@@ -656,7 +658,36 @@ def test_compare_interleaves_plain_and_instrumented_and_reports_paired_numbers(m
     # the instrumented runs really exported a request span and 4 step spans each
     assert cmp["spans_exported"] == cmp["spans_expected"] == 3 * (1 + 4)
     assert cmp["outputs_identical"] is True
+    once = cmp["instrument_once"]
+    assert once["pairs"] == 3 and once["steps"] == [4, 4, 4] and "once" in once["instrument"]
+    assert once["spans_exported"] == once["spans_expected"] == 3 * (1 + 4)
+    assert once["outputs_identical"] is True
+    assert once["paired_ratios"] == [b / a for a, b in zip(once["plain_elapsed_s"], once["instrumented_elapsed_s"])]
     assert not GenerateInstrumentor().is_instrumented_by_opentelemetry  # left as found
+
+
+def test_compare_instrument_once_instruments_once_and_its_plain_runs_record_nothing(monkeypatch):
+    calls = {"instrument": 0, "uninstrument": 0}
+    original_instrument, original_uninstrument = GenerateInstrumentor.instrument, GenerateInstrumentor.uninstrument
+
+    def instrument(self, **kwargs):
+        calls["instrument"] += 1
+        return original_instrument(self, **kwargs)
+
+    def uninstrument(self, **kwargs):
+        calls["uninstrument"] += 1
+        return original_uninstrument(self, **kwargs)
+
+    monkeypatch.setattr(GenerateInstrumentor, "instrument", instrument)
+    monkeypatch.setattr(GenerateInstrumentor, "uninstrument", uninstrument)
+    runner = harness._Runner(harness.BenchConfig(new_tokens=3, warmup=1, runs=2), "cpu")
+    side = harness.InstrumentedSide(runner.config, runner.clock, once=True)
+    assert calls == {"instrument": 1, "uninstrument": 0}
+    once = harness._compare_pairs(runner, side, None, "pair")  # 1 warmup pair, 2 pairs; shuts the side down
+    assert calls == {"instrument": 1, "uninstrument": 1}  # kept for every instrumented run, removed at the end
+    # the plain runs under suppress_instrumentation() exported nothing: only the instrumented runs' spans
+    assert once["spans_exported_after_each_flush"] == [4, 8]
+    assert once["spans_exported"] == once["spans_expected"] == 2 * (1 + 3)
 
 
 def test_headline_and_compare_say_which_runs_they_describe(tmp_path, capsys):
@@ -707,7 +738,9 @@ def test_compare_finishes_deferred_work_after_each_instrumented_call_and_charges
     # after the 3 measured (profiled) runs: 1 warmup pair and 3 pairs; the flushes come right after
     # each instrumented call, before the next plain call's timer starts
     pair = ["plain", "instrumented", "trace flush", "meter flush"]
-    assert log[3:] == pair * 4
+    assert log[3:19] == pair * 4
+    # then the instrumentor set up once: the plain runs go through its wrappers, suppressed
+    assert log[19:] == ["instrumented", "instrumented", "trace flush", "meter flush"] * 4
     assert cmp["plain_elapsed_s"] == cmp["instrumented_elapsed_s"] == [0.25] * 3
     assert cmp["deferred_trace_flush_s"] == cmp["deferred_metric_flush_s"] == [0.25] * 3
     assert cmp["instrumented_deferred_s"] == [0.5] * 3
@@ -723,6 +756,7 @@ def test_compare_each_flush_exports_its_own_run_before_the_next_one():
     cmp = result["compare"]
     # the flush after each instrumented call exported that call's request span and 4 step spans
     assert cmp["spans_exported_after_each_flush"] == [5, 10, 15]
+    assert cmp["instrument_once"]["spans_exported_after_each_flush"] == [5, 10, 15]
     assert cmp["paired_ratios_with_deferred"] == [
         (b + t + m) / a
         for a, b, t, m in zip(
@@ -760,7 +794,13 @@ def test_otlp_encode_exporter_really_encodes_every_span_as_otlp_protobuf(monkeyp
     captured = capsys.readouterr()
     cmp = json.loads(captured.out)["compare"]
     assert cmp["exporter"] == "otlp-encode"
-    # the bytes counted are the bytes of real OTLP requests, holding every exported span
+    # the bytes counted are the bytes of real OTLP requests, holding every exported span; the second half
+    # of the payloads are those of the instrument-once runs, which follow
+    once = cmp["instrument_once"]
+    half, metric_half = len(span_payloads) // 2, len(metric_payloads) // 2
+    assert once["exported_bytes"] == sum(len(p) for p in span_payloads[half:]) > 0
+    assert once["exported_metric_bytes"] == sum(len(p) for p in metric_payloads[metric_half:]) > 0
+    span_payloads, metric_payloads = span_payloads[:half], metric_payloads[:metric_half]
     assert span_payloads and cmp["exported_bytes"] == sum(len(p) for p in span_payloads) > 0
     decoded = [ExportTraceServiceRequest.FromString(p) for p in span_payloads]
     names = [

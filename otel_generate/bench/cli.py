@@ -20,6 +20,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from otel_generate.bench import harness
 from otel_generate.bench.harness import DEVICES, DTYPES, EXPORTERS, MODEL_EOS, BenchConfig, BenchUsageError
+from otel_generate.bench.instructions import CONFIGURATIONS, DEFAULT_CALLS_HIGH, DEFAULT_CALLS_LOW
+from otel_generate.bench.instructions import DEFAULT_NEW_TOKENS as INSTRUCTIONS_NEW_TOKENS
 from otel_generate.bench.plot import MATPLOTLIB_MISSING, PLOT_FORMATS, plot_format
 
 PROG = "otel-generate"
@@ -61,7 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "holding one), initialised on the device; nothing is downloaded",
     )
     parser.add_argument("--prompt-tokens", type=int, default=4, metavar="N", help="prompt length in tokens (default 4)")
-    parser.add_argument("--new-tokens", type=int, default=8, metavar="N", help="max_new_tokens (default 8)")
+    parser.add_argument(
+        "--new-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="max_new_tokens (default 8; with --instructions 128)",
+    )
     parser.add_argument(
         "--batch-size", type=int, default=1, metavar="N", help="prompts per generate() call (default 1)"
     )
@@ -145,6 +153,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "throughput and the added cost per batch step (transformers 5.17 or newer)",
     )
     parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count instructions instead of time: valgrind's callgrind, one process, each configuration set up "
+        "once, (Ir(--calls-high calls) - Ir(--calls-low calls)) / (high - low) per call; plain, instrumented "
+        "(the --compare configurations) and unsampled; BLAS/OpenMP on one thread; needs valgrind",
+    )
+    parser.add_argument(
+        "--calls-low",
+        type=int,
+        default=None,
+        metavar="K",
+        help=f"--instructions: the smaller number of calls (default {DEFAULT_CALLS_LOW})",
+    )
+    parser.add_argument(
+        "--calls-high",
+        type=int,
+        default=None,
+        metavar="K",
+        help=f"--instructions: the larger number of calls (default {DEFAULT_CALLS_HIGH})",
+    )
+    parser.add_argument(
+        "--configurations",
+        metavar="NAMES",
+        default=None,
+        help="--instructions: comma-separated, from " + ", ".join(CONFIGURATIONS) + " (default all; plain always)",
+    )
+    parser.add_argument(
         "--requests",
         type=int,
         default=None,
@@ -159,7 +194,9 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> Benc
         model=args.model,
         model_config=args.model_config,
         prompt_tokens=args.prompt_tokens,
-        new_tokens=args.new_tokens,
+        new_tokens=args.new_tokens
+        if args.new_tokens is not None
+        else (INSTRUCTIONS_NEW_TOKENS if args.instructions else 8),
         batch_size=args.batch_size,
         warmup=args.warmup,
         runs=args.runs,
@@ -176,6 +213,10 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> Benc
         background_emission=args.background_emission,
         continuous_batching=args.continuous_batching,
         requests=args.requests,
+        instructions=args.instructions,
+        calls_low=args.calls_low if args.calls_low is not None else DEFAULT_CALLS_LOW,
+        calls_high=args.calls_high if args.calls_high is not None else DEFAULT_CALLS_HIGH,
+        configurations=args.configurations,
         argv=list(argv),
     )
 
@@ -200,6 +241,10 @@ def _median_iqr(
 
 def summary_text(result: Dict[str, Any]) -> str:
     """The human-readable summary printed on stderr: every median with its interquartile range."""
+    if result.get("mode") == "instructions":
+        from otel_generate.bench.instructions import summary_text as instructions_summary
+
+        return instructions_summary(result)
     if result.get("mode") == "continuous_batching":
         from otel_generate.bench.continuous import summary_text as continuous_summary
 
@@ -253,6 +298,26 @@ def summary_text(result: Dict[str, Any]) -> str:
             f"    spans exported {cmp['spans_exported']} (expected {cmp['spans_expected']}){byte_text}; "
             f"outputs identical: {cmp['outputs_identical']}",
         ]
+        once = cmp.get("instrument_once")
+        if once:
+
+            def o(name: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
+                return _median_iqr(once[f"median_{name}"], once[f"iqr_{name}"], fmt, scale, unit)
+
+            lines += [
+                f"  compare, instrumented once: {once['pairs']} more pairs, the instrumentor set up once and kept "
+                "for every instrumented run (the runs above: instrument()/uninstrument() around each); plain runs "
+                "under suppress_instrumentation()",
+                f"    plain         median {o('plain_elapsed_s', '.3f', 1e3, 'ms')}",
+                f"    instrumented  median {o('instrumented_elapsed_s', '.3f', 1e3, 'ms')} caller-visible, "
+                f"+ {o('instrumented_deferred_s', '.3f', 1e3, 'ms')} deferred",
+                f"    paired ratio instrumented/plain: caller-visible {o('paired_ratio', '.4f')}, "
+                f"with deferred work {o('paired_ratio_with_deferred', '.4f')}",
+                f"    added per step: caller-visible {o('added_us_per_step', '.1f', unit='us')}, "
+                f"with deferred work {o('added_us_per_step_with_deferred', '.1f', unit='us')}",
+                f"    spans exported {once['spans_exported']} (expected {once['spans_expected']}); "
+                f"outputs identical: {once['outputs_identical']}",
+            ]
     return "\n".join(lines)
 
 

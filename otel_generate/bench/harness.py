@@ -135,6 +135,10 @@ class BenchConfig:
     background_emission: bool = False  # --compare: instrument(background_emission=True)
     continuous_batching: bool = False  # the continuous-batching workload (otel_generate.bench.continuous)
     requests: Optional[int] = None  # --continuous-batching: requests per run (None: the default, 16)
+    instructions: bool = False  # count instructions under callgrind (otel_generate.bench.instructions)
+    calls_low: int = 2  # --instructions: the smaller number of calls of the difference method
+    calls_high: int = 18  # --instructions: the larger one
+    configurations: Optional[str] = None  # --instructions: comma-separated names (None: all)
     argv: List[str] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -195,7 +199,7 @@ class BenchConfig:
             )
         elif self.requests is not None:
             raise BenchUsageError("--requests applies to --continuous-batching; add --continuous-batching")
-        if not self.compare and not self.continuous_batching:
+        if not self.compare and not self.continuous_batching and not self.instructions:
             if self.exporter != "discard":
                 raise BenchUsageError("--exporter applies to the instrumented runs of --compare; add --compare")
             if self.max_step_spans is not None:
@@ -809,12 +813,24 @@ class InstrumentedSide:
     for (``--max-step-spans``, ``--step-spans``, ``--background-emission``). :meth:`run` times one
     call instrumented and then finishes the work it deferred, outside its timer.
 
+    ``once=False`` (today's way): each :meth:`run` instruments, times the call and uninstruments,
+    so every timed call is the first after ``instrument()``. ``once=True``: ``instrument()`` runs
+    here, once, and the instrumentor is kept for every run until :meth:`shutdown`; the plain runs
+    it is compared with (:meth:`plain`) then run under ``suppress_instrumentation()``, the
+    installed wrappers only passing the call through.
+
     Raises:
         BenchUsageError: generate() is already instrumented (e.g. under ``opentelemetry-instrument``),
             so no plain path exists in this process.
     """
 
-    def __init__(self, config: BenchConfig, clock: Callable[[], float], max_queue_size: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        config: BenchConfig,
+        clock: Callable[[], float],
+        max_queue_size: Optional[int] = None,
+        once: bool = False,
+    ) -> None:
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -860,7 +876,25 @@ class InstrumentedSide:
             + (f", step_spans={config.step_spans!r}" if config.step_spans is not None else "")
             + (", background_emission=True" if config.background_emission else "")
             + ")"
+            + (
+                ", once, kept for every instrumented run"
+                if once
+                else ", before each instrumented run; uninstrument() after it"
+            )
         )
+        self.once = once
+        if once:
+            self.instrumentor.instrument(**self.options)
+
+    def plain(self, timed: Callable[[], Any]) -> Any:
+        """``gc.collect()``, then ``timed()`` uninstrumented; with ``once``, under ``suppress_instrumentation()``."""
+        gc.collect()
+        if not self.once:
+            return timed()
+        from opentelemetry.instrumentation.utils import suppress_instrumentation
+
+        with suppress_instrumentation():
+            return timed()
 
     def run(self, timed: Callable[[], Any]) -> Tuple[Any, float, float]:
         """``instrument()``, ``gc.collect()``, ``timed()`` (the call, which times itself), then the
@@ -868,10 +902,13 @@ class InstrumentedSide:
         emitter, then the span processor; with ``otlp-encode`` that is the encoding) and
         ``meter_provider.force_flush()`` (the metric collection), each timed; ``uninstrument()``.
 
+        With ``once``, the instrumentor set up in the constructor is used and kept.
+
         Returns:
             ``(timed()'s result, trace flush seconds, metric flush seconds)``.
         """
-        self.instrumentor.instrument(**self.options)
+        if not self.once:
+            self.instrumentor.instrument(**self.options)
         try:
             gc.collect()
             result = timed()
@@ -881,7 +918,8 @@ class InstrumentedSide:
             metered = self.meter_provider.force_flush()
             end = self.clock()
         finally:
-            self.instrumentor.uninstrument()
+            if not self.once:
+                self.instrumentor.uninstrument()
         self.flushes_complete = self.flushes_complete and traced is not False and metered is not False
         return result, middle - start, end - middle
 
@@ -896,6 +934,8 @@ class InstrumentedSide:
         return None
 
     def shutdown(self) -> None:
+        if self.once and self.instrumentor.is_instrumented_by_opentelemetry:
+            self.instrumentor.uninstrument()
         self.tracer_provider.shutdown()
         self.meter_provider.shutdown()
 
@@ -931,19 +971,35 @@ def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str,
         (``otlp-encode``: serialized OTLP bytes; ``discard``: ``None``), ``flushes_complete``,
         ``outputs_identical`` and descriptions of both paths.
 
+    Both ways of instrumenting are run, one after the other, ``runs`` pairs each: first
+    ``instrument()`` / ``uninstrument()`` around every instrumented run (the top level of the
+    result), then an instrumentor set up once and kept for all its instrumented runs, whose plain
+    runs go through the installed wrappers under ``suppress_instrumentation()``
+    (``instrument_once``, the same keys). The first charges every request with being the first
+    after ``instrument()``; the second never does.
+
     Raises:
         BenchUsageError: generate() is already instrumented (e.g. under ``opentelemetry-instrument``),
             so no plain path exists in this process.
     """
+    config = runner.config
+    result = _compare_pairs(runner, InstrumentedSide(config, runner.clock), monitor, "pair")
+    result["instrument_once"] = _compare_pairs(
+        runner, InstrumentedSide(config, runner.clock, once=True), monitor, "instrument-once pair"
+    )
+    return result
+
+
+def _compare_pairs(
+    runner: _Runner, side: "InstrumentedSide", monitor: Optional[LoadMonitor], label: str
+) -> Dict[str, Any]:
     import torch
 
     config = runner.config
-    side = InstrumentedSide(config, runner.clock)
     exporter, metric_reader = side.exporter, side.metric_reader
 
     def plain() -> Tuple[Any, float]:
-        gc.collect()
-        return runner.timed()
+        return side.plain(runner.timed)
 
     def instrumented() -> Tuple[Any, float, float, float]:
         (output, elapsed), flush_trace, flush_metric = side.run(runner.timed)
@@ -981,7 +1037,7 @@ def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str,
             steps.append(max(counts_a))
             plain_rates.append(sum(counts_a) / elapsed_a)
             if monitor is not None:
-                monitor.read(f"pair {pair + 1}")
+                monitor.read(f"{label} {pair + 1}")
         spans_exported = exporter.spans - spans_before
         exported_bytes = None if exporter.bytes is None else exporter.bytes - bytes_before
         metric_bytes = None if metric_exporter is None else metric_exporter.bytes - metric_bytes_before
@@ -996,7 +1052,10 @@ def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str,
         "pairs": config.runs,
         "order": "A B A B (plain, then instrumented, per pair); deferred work finished after each B, untimed by A or B",
         "runs": "runs of their own, separate from the measured (profiled) runs of the headline",
-        "plain": "GenerationMixin.generate uninstrumented (the original function; no wrapper runs)",
+        "plain": "GenerationMixin.generate uninstrumented (the original function; no wrapper runs)"
+        if not side.once
+        else "GenerationMixin.generate instrumented but under suppress_instrumentation() (the wrappers pass through)",
+        "instrument": "once, kept for every instrumented run" if side.once else "instrument() / uninstrument() per run",
         "instrumented": side.description,
         "deferred": (
             "after each instrumented call, outside its timer and before the next run: "
@@ -1061,6 +1120,10 @@ def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> 
         from otel_generate.bench import continuous
 
         return continuous.run(config, clock)
+    if config.instructions:
+        from otel_generate.bench import instructions
+
+        return instructions.run(config)
     config.validate()
     monitor = LoadMonitor(own_threads=config.threads)
     monitor.read("start")

@@ -1,0 +1,455 @@
+"""``otel-generate bench --instructions``: what the instrumentation costs, counted in instructions.
+
+Time ratios on a shared machine move by several percent between identical runs; instruction
+counts do not depend on what else the machine runs. This mode runs one Python process under
+valgrind's callgrind that, for each configuration in turn:
+
+1. sets it up once (plain: nothing; instrumented: ``GenerateInstrumentor().instrument()`` with an
+   SDK ``TracerProvider`` + ``BatchSpanProcessor`` + the ``--exporter`` and an SDK
+   ``MeterProvider``, kept for all its calls), then runs ``--warmup`` calls;
+2. runs ``K_lo`` calls (``--calls-low``, default 2), then flushes the providers (the span export
+   and the metric collection those calls deferred are counted with them);
+3. runs ``K_hi`` calls (``--calls-high``, default 18) the same way;
+4. uninstruments.
+
+The process marks the borders between these parts by calling ``os.getloadavg()`` (libc's
+``getloadavg``, which nothing else calls here): callgrind runs with
+``--dump-before=getloadavg``, so each part's instructions land in a dump of their own. A
+``gc.collect()`` before each part keeps collections of earlier garbage out of it. Then, per
+configuration (the difference method):
+
+    instructions per call = (Ir(K_hi calls) - Ir(K_lo calls)) / (K_hi - K_lo)
+
+which cancels everything a part pays once (the flush's fixed cost, the marker), as well as
+process start, imports and set-up, which are in other dumps. "Ir" is callgrind's count of
+executed instructions, summed over every thread (the span processor's and the background
+emitter's threads included: with ``--separate-threads=yes`` a dump would hold the calling
+thread's counts only, so threads are not separated). Per step is per call
+divided by the decode steps of a call (the new tokens of the longest row: greedy decoding adds
+one token per step). Added is instrumented minus plain, also as a share of plain.
+
+BLAS and OpenMP are kept to one thread (``OPENBLAS_NUM_THREADS=1``, ``OMP_NUM_THREADS=1``,
+``MKL_NUM_THREADS=1``, ``torch.set_num_threads(--threads)``), so that no idle thread spins.
+
+Instructions are not time: a cache miss or a branch misprediction costs more than an add, and
+valgrind runs the program about 50 times slower, one thread at a time. The counts say how much
+work the instrumentation adds, resolved to well under 0.1 % of a call; the time ratios of
+``--compare`` say what it costs in time on a given machine, with its noise.
+
+Configurations (``--configurations``, comma-separated; default all): see :data:`CONFIGURATIONS`.
+
+Errors: :class:`~otel_generate.bench.harness.BenchUsageError` (exit status 2) when valgrind is not
+installed, on invalid input, or when the process under valgrind fails.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from otel_generate.bench import harness as H
+from otel_generate.bench.harness import BenchConfig, BenchUsageError
+
+#: ``name: (description, instrument() keywords, sampled)``; ``plain`` is uninstrumented.
+CONFIGURATIONS: Dict[str, Tuple[str, Optional[Dict[str, Any]], bool]] = {
+    "plain": ("plain generate(): GenerationMixin.generate uninstrumented", None, True),
+    "all-step-spans": ("instrumented, every step a span (the default options)", {}, True),
+    "max-step-spans-0": (
+        "instrumented, max_step_spans=0: the request span and metrics, no step span",
+        {"max_step_spans": 0},
+        True,
+    ),
+    "step-spans-none": ("instrumented, step_spans='none' (the policy): no step span", {"step_spans": "none"}, True),
+    "step-spans-slow": (
+        "instrumented, step_spans='slow': step spans only for slow requests",
+        {"step_spans": "slow"},
+        True,
+    ),
+    "background-emission": (
+        "instrumented, background_emission=True: spans built on a worker thread",
+        {"background_emission": True},
+        True,
+    ),
+    "unsampled": (
+        "instrumented, sampler ParentBased(ALWAYS_OFF): the request is not sampled",
+        {},
+        False,
+    ),
+}
+DEFAULT_NEW_TOKENS = 128
+DEFAULT_CALLS_LOW = 2
+DEFAULT_CALLS_HIGH = 18
+#: The libc function whose call marks a border between parts (``--dump-before``).
+MARKER = "getloadavg"
+VALGRIND_MISSING = (
+    "--instructions needs valgrind (its callgrind tool) on PATH; install it, e.g. apt-get install valgrind"
+)
+SINGLE_THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def parse_configurations(text: Optional[str]) -> List[str]:
+    """``"plain,unsampled"`` -> the names, in :data:`CONFIGURATIONS` order, ``plain`` always first.
+
+    Raises:
+        BenchUsageError: an unknown name.
+    """
+    if text is None:
+        return list(CONFIGURATIONS)
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in CONFIGURATIONS]
+    if unknown or not names:
+        raise BenchUsageError(
+            f"--configurations: unknown {', '.join(map(repr, unknown)) or 'empty list'}; "
+            f"choose from {', '.join(CONFIGURATIONS)}"
+        )
+    chosen = set(names) | {"plain"}  # the added share needs plain
+    return [name for name in CONFIGURATIONS if name in chosen]
+
+
+def validate(config: BenchConfig) -> None:
+    """What ``--instructions`` accepts, checked before valgrind starts.
+
+    Raises:
+        BenchUsageError: naming the first problem (valgrind missing included).
+    """
+    if config.compare or config.continuous_batching:
+        raise BenchUsageError("--instructions is a mode of its own; drop --compare / --continuous-batching")
+    if config.plot is not None:
+        raise BenchUsageError("--plot does not apply to --instructions")
+    if config.device != "cpu":
+        raise BenchUsageError("--instructions counts instructions on the CPU only (--device cpu)")
+    for option, value in (
+        ("--max-step-spans", config.max_step_spans),
+        ("--step-spans", config.step_spans),
+        ("--background-emission", config.background_emission or None),
+    ):
+        if value is not None:
+            raise BenchUsageError(
+                f"{option} does not apply to --instructions, which runs fixed configurations (--configurations)"
+            )
+    if config.calls_low < 0:
+        raise BenchUsageError(f"--calls-low must be 0 or more, got {config.calls_low}")
+    if config.calls_high <= config.calls_low:
+        raise BenchUsageError(f"--calls-high must be above --calls-low, got {config.calls_high} and {config.calls_low}")
+    config.configurations = ",".join(parse_configurations(config.configurations))
+    H._require(
+        "opentelemetry.sdk",
+        "--instructions needs the OpenTelemetry SDK: pip install opentelemetry-sdk (the package's [bench] extra)",
+    )
+    if shutil.which("valgrind") is None:
+        raise BenchUsageError(VALGRIND_MISSING)
+
+
+# --------------------------------------------------------------------------------------------
+# The parent: valgrind, the dumps, the figures
+# --------------------------------------------------------------------------------------------
+
+
+def valgrind_version() -> str:
+    try:
+        done = subprocess.run(["valgrind", "--version"], capture_output=True, text=True, timeout=60)
+        return done.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def read_total(path: str) -> int:
+    """The ``summary:`` (or ``totals:``) Ir count of one callgrind dump file."""
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            if line.startswith(("summary:", "totals:")):
+                return int(line.split()[1])
+    raise ValueError(f"{path}: no summary line")
+
+
+_DUMP = re.compile(r"\.(\d+)$")
+
+
+def read_dumps(prefix: str) -> Dict[int, int]:
+    """``{dump number: Ir}`` of the numbered dumps ``prefix.N`` (all threads together)."""
+    dumps: Dict[int, int] = {}
+    for path in glob.glob(prefix + ".*"):
+        match = _DUMP.search(path)
+        if match is not None:
+            dumps[int(match.group(1))] = read_total(path)
+    return dumps
+
+
+def run(config: BenchConfig) -> Dict[str, Any]:
+    """Run the configurations under callgrind and return the result document (see the module docstring).
+
+    Raises:
+        BenchUsageError: invalid input, valgrind missing, or the process under valgrind failed.
+    """
+    config.validate()
+    validate(config)
+    names = config.configurations.split(",")
+    workdir = tempfile.mkdtemp(prefix="otel-generate-instructions-")
+    try:
+        spec_path = os.path.join(workdir, "spec.json")
+        child_path = os.path.join(workdir, "child.json")
+        prefix = os.path.join(workdir, "callgrind.out")
+        log_path = os.path.join(workdir, "valgrind.log")
+        spec = {
+            "config": {k: v for k, v in vars(config).items() if k != "argv"},
+            "configurations": names,
+            "result": child_path,
+        }
+        with open(spec_path, "w", encoding="utf-8") as handle:
+            json.dump(spec, handle)
+        command = [
+            "valgrind",
+            "--tool=callgrind",
+            f"--dump-before={MARKER}",
+            f"--callgrind-out-file={prefix}",
+            f"--log-file={log_path}",
+            sys.executable,
+            "-m",
+            "otel_generate.bench.instructions",
+            spec_path,
+        ]
+        env = dict(os.environ)
+        env.update(SINGLE_THREAD_ENV)
+        print(
+            f"otel-generate bench --instructions: {len(names)} configuration(s) under callgrind, "
+            f"{config.calls_low} and {config.calls_high} calls each; this takes minutes",
+            file=sys.stderr,
+        )
+        # the process's own progress lines go to this stderr; valgrind's messages to its log
+        done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL)
+        if done.returncode != 0 or not os.path.exists(child_path):
+            try:
+                with open(log_path, encoding="utf-8", errors="replace") as handle:
+                    tail = "\n".join(handle.read().strip().splitlines()[-15:])
+            except OSError:
+                tail = ""
+            raise BenchUsageError(
+                f"the process under valgrind failed (exit status {done.returncode}); valgrind's log ends:\n{tail}"
+            )
+        with open(child_path, encoding="utf-8") as handle:
+            child = json.load(handle)
+        dumps = read_dumps(prefix)
+        labels: List[str] = child["labels"]
+        if sorted(dumps) != list(range(1, len(labels) + 1)):
+            raise BenchUsageError(
+                f"callgrind wrote dumps {sorted(dumps)} for {len(labels)} markers: something else called "
+                f"{MARKER}(); the parts cannot be told apart"
+            )
+        return result_document(config, child, dumps, labels)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def result_document(
+    config: BenchConfig, child: Dict[str, Any], dumps: Dict[int, int], labels: Sequence[str]
+) -> Dict[str, Any]:
+    """The JSON document: one entry per configuration, plain first, with the added share vs plain."""
+    part = {label: dumps[index + 1] for index, label in enumerate(labels)}
+    span = config.calls_high - config.calls_low
+    rows: List[Dict[str, Any]] = []
+    plain: Optional[Dict[str, Any]] = None
+    for name in child["configurations"]:
+        info = child["runs"][name]
+        total_low, total_high = part[f"{name} low"], part[f"{name} high"]
+        per_call = (total_high - total_low) / span
+        steps = info["steps"]
+        row: Dict[str, Any] = {
+            "configuration": name,
+            "description": CONFIGURATIONS[name][0],
+            "ir_low": total_low,
+            "ir_high": total_high,
+            "instructions_per_call": per_call,
+            "steps_per_call": steps,
+            "instructions_per_step": per_call / steps if steps else None,
+            "spans_per_call": info["spans_per_call"],
+            "spans_expected_per_call": info["spans_expected_per_call"],
+            "outputs_identical": info["outputs_identical"],
+        }
+        if name == "plain":
+            plain = row
+        if plain is not None and name != "plain":
+            added = per_call - plain["instructions_per_call"]
+            row["added_per_call"] = added
+            row["added_percent"] = 100.0 * added / plain["instructions_per_call"]
+            row["added_per_step"] = added / steps if steps else None
+        rows.append(row)
+    return {
+        "mode": "instructions",
+        "versions": child["versions"],
+        "valgrind": valgrind_version(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": list(config.argv),
+        "method": (
+            "one process under valgrind --tool=callgrind; per configuration: set up once, "
+            f"warmup, then {config.calls_low} calls + flush and {config.calls_high} calls + flush, each part in a "
+            f"callgrind dump of its own (os.getloadavg() marks the borders, --dump-before={MARKER}); "
+            "instructions per call = (Ir(high) - Ir(low)) / (calls_high - calls_low), Ir summed over all threads"
+        ),
+        "environment": dict(SINGLE_THREAD_ENV, torch_threads=config.threads),
+        "machine": H.machine("cpu"),
+        "model": child["model"],
+        "parameters": child["parameters"],
+        "device": "cpu",
+        "dtype": config.dtype,
+        "prompt_tokens": config.prompt_tokens,
+        "new_tokens_requested": config.new_tokens,
+        "batch_size": config.batch_size,
+        "warmup": config.warmup,
+        "calls_low": config.calls_low,
+        "calls_high": config.calls_high,
+        "exporter": config.exporter,
+        "configurations": rows,
+        "note": (
+            "instructions are not time: a cache miss costs more than an add; --compare gives the time ratios, "
+            "both are shown"
+        ),
+    }
+
+
+def summary_text(result: Dict[str, Any]) -> str:
+    """The table printed on stderr."""
+    lines = [
+        f"otel-generate bench --instructions: {result['model']}, {result['new_tokens_requested']} new tokens, "
+        f"prompt {result['prompt_tokens']} x batch {result['batch_size']}, cpu, "
+        f"{result['environment']['torch_threads']} torch thread(s)",
+        f"  callgrind, difference of {result['calls_high']} and {result['calls_low']} calls; Ir of all threads; "
+        f"exporter {result['exporter']}",
+        f"  {'configuration':<22}{'per call':>14}{'per step':>12}{'added/call':>14}{'added':>9}{'added/step':>12}",
+    ]
+    for row in result["configurations"]:
+        added = row.get("added_per_call")
+        lines.append(
+            f"  {row['configuration']:<22}{row['instructions_per_call']:>14,.0f}"
+            f"{(row['instructions_per_step'] or 0):>12,.0f}"
+            + (
+                f"{added:>+14,.0f}{row['added_percent']:>+8.3f}%{(row['added_per_step'] or 0):>+12,.0f}"
+                if added is not None
+                else ""
+            )
+        )
+    mismatched = [
+        row["configuration"]
+        for row in result["configurations"]
+        if row["spans_expected_per_call"] is not None and row["spans_per_call"] != row["spans_expected_per_call"]
+    ]
+    if mismatched:
+        lines.append(f"  WARNING: spans exported differ from those expected in {', '.join(mismatched)}")
+    if not all(row["outputs_identical"] for row in result["configurations"]):
+        lines.append("  WARNING: some instrumented outputs differ from plain generate()'s")
+    lines.append(f"  {result['note']}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# The child: runs under valgrind
+# --------------------------------------------------------------------------------------------
+
+
+def _child(spec_path: str) -> None:
+    with open(spec_path, encoding="utf-8") as handle:
+        spec = json.load(handle)
+    config = BenchConfig(**spec["config"])
+    import torch
+
+    torch.set_num_threads(config.threads)
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
+
+    from otel_generate import GenerateInstrumentor
+
+    runner = H._Runner(config, "cpu")
+    labels: List[str] = []
+
+    def mark(label: str) -> None:
+        """Ends the part ``label`` (callgrind dumps what was counted since the last mark)."""
+        labels.append(label)
+        os.getloadavg()
+
+    reference = None
+    runs: Dict[str, Any] = {}
+    for name in spec["configurations"]:
+        _, options, sampled = CONFIGURATIONS[name]
+        instrumentor = tracer_provider = meter_provider = exporter = None
+        if options is not None:
+            exporter, reader = H.make_exporters(config.exporter)
+            tracer_provider = TracerProvider() if sampled else TracerProvider(sampler=ParentBased(ALWAYS_OFF))
+            tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
+            meter_provider = MeterProvider(metric_readers=[reader])
+            instrumentor = GenerateInstrumentor()
+            instrumentor.instrument(
+                tracer_provider=tracer_provider, meter_provider=meter_provider, skip_dep_check=True, **options
+            )
+
+        def flush(tracer_provider: Any = tracer_provider, meter_provider: Any = meter_provider) -> None:
+            if tracer_provider is not None:
+                tracer_provider.force_flush()
+                meter_provider.force_flush()
+
+        identical = True
+        output = None
+        for _ in range(config.warmup):
+            output = runner.generate()
+        flush()
+        spans_before = exporter.spans if exporter is not None else 0
+        gc.collect()
+        mark(f"{name} setup")
+        for part, calls in (("low", config.calls_low), ("high", config.calls_high)):
+            for _ in range(calls):
+                output = runner.generate()
+            flush()
+            mark(f"{name} {part}")
+            sequences = H._sequences(output)
+            if reference is None:
+                reference = sequences
+            identical = identical and bool(torch.equal(sequences, reference))
+            gc.collect()
+            mark(f"{name} gc after {part}")
+        steps = max(runner.counts(output))
+        calls_made = config.calls_low + config.calls_high
+        spans = ((exporter.spans - spans_before) / calls_made) if exporter is not None else 0
+        if options is None or not sampled:
+            expected: Optional[int] = 0
+        elif options.get("max_step_spans") == 0 or options.get("step_spans") == "none":
+            expected = 1
+        elif options.get("step_spans") == "slow":
+            expected = None
+        else:
+            expected = 1 + steps
+        runs[name] = {
+            "steps": steps,
+            "spans_per_call": spans,
+            "spans_expected_per_call": expected,
+            "outputs_identical": identical,
+        }
+        if instrumentor is not None:
+            instrumentor.uninstrument()
+            tracer_provider.shutdown()
+            meter_provider.shutdown()
+        gc.collect()
+        mark(f"{name} teardown")
+        print(f"  {name}: done", file=sys.stderr, flush=True)
+    result = {
+        "labels": labels,
+        "configurations": spec["configurations"],
+        "runs": runs,
+        "versions": H.versions(),
+        "model": H.model_description(config, runner.model),
+        "parameters": int(sum(p.numel() for p in runner.model.parameters())),
+    }
+    with open(spec["result"], "w", encoding="utf-8") as handle:
+        json.dump(result, handle)
+
+
+if __name__ == "__main__":  # the process under valgrind
+    _child(sys.argv[1])
