@@ -67,8 +67,9 @@ Configuration
 
 Keyword arguments win over environment variables; an environment value that cannot be parsed
 is reported once with a warning and the default is used (see :mod:`otel_generate.options`). Suppressing instrumentation
-(``opentelemetry.instrumentation.utils.suppress_instrumentation``) or an unsampled request span
-turns all per-step work off.
+(``opentelemetry.instrumentation.utils.suppress_instrumentation``) turns all per-step work off. An
+unsampled request span builds no span but still records every metric, with exact latencies (its
+steps are timed for them), unless no meter provider collects metrics.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from otel_generate import clock
 
@@ -167,6 +167,28 @@ class Request:
         if first is None or later_tokens <= 0:
             return None
         return (self.step_ends_ns[-1] - self.step_ends_ns[first]) / later_tokens
+
+    def inter_token_latencies_ns(self) -> Iterator[float]:
+        """The gaps between output tokens, nanoseconds: for every decode step after the step that
+        produced the first token, its latency divided by the tokens it produced per sequence.
+
+        Steps that produced no token and steps that processed a prompt (:meth:`prefill_indices`:
+        the first step of a later inner call, such as Whisper's next window) give none. A request
+        of ``n`` steps of one token each gives ``n - 1`` gaps. Yields, builds no list.
+        """
+        ends, tokens = self.step_ends_ns, self.step_tokens
+        starts = self.step_starts_ns
+        prefill = self.prefill_indices()
+        first = None
+        for index, produced in enumerate(tokens):
+            if first is None:
+                if produced > 0:
+                    first = index
+                continue
+            if produced <= 0 or index in prefill or index >= len(ends):
+                continue
+            start = starts[index] if starts is not None else ends[index - 1]
+            yield (ends[index] - start) / produced
 
     def prefill_indices(self) -> set:
         """Indices of the steps that processed a prompt (named ``prefill``)."""

@@ -213,9 +213,13 @@ class Call:
 
         self.span = emit.start_request_span(telemetry, self.name)
         try:
-            # Per-step work only when someone will read it: a recorded span, a profiler, a callback,
-            # or track_token_latency. Otherwise generate() runs exactly as uninstrumented.
-            self.timed = self.span.is_recording() or bool(self.profilers) or self.callback is not None or self.track
+            # The full record (memory, cache size, streamer timing, ...) only when someone reads it: a
+            # recorded span, a profiler, a callback, or track_token_latency.
+            self.detailed = self.span.is_recording() or bool(self.profilers) or self.callback is not None or self.track
+            # Steps are timed for those, and for the latency metrics, which are recorded for every
+            # request, sampled or not, whenever a meter provider collects them. Otherwise generate()
+            # runs exactly as uninstrumented.
+            self.timed = self.detailed or telemetry.metrics_live()
             synchronized = bool(telemetry.synchronize)
             device = None
             if self.timed:
@@ -231,7 +235,7 @@ class Call:
                 model=self.name, start_ns=0, start_wall_ns=0, timed=self.timed, synchronized=synchronized, device=device
             )
             self.memory_device = (
-                figures.cuda_device(device) if self.timed and telemetry.options.measure_memory else None
+                figures.cuda_device(device) if self.detailed and telemetry.options.measure_memory else None
             )
             self._synchronize()
             self._memory(figures.reset_peak_memory)
@@ -246,7 +250,7 @@ class Call:
         streamer = kwargs.get("streamer")
         if streamer is not None:
             self.request.parameters[A.GEN_AI_REQUEST_STREAM] = True
-            if self.timed:
+            if self.detailed:
                 self.streamer = kwargs["streamer"] = _TimedStreamer(streamer)
         self._context_token = otel_context.attach(trace.set_span_in_context(self.span))
 
@@ -344,7 +348,7 @@ class Call:
                 except Exception:  # the clock itself is gone (already logged): let the SDK stamp the end
                     request.incomplete = True
         if self.track:  # track_token_latency needs the record now
-            record, deferred = emit.finish(self.telemetry, self.span, request, self.profilers), False
+            record, deferred = emit.finish(self.telemetry, self.span, request, self.profilers, need_record=True), False
         else:
             record, deferred = self.telemetry.emit(self.span, request, self.profilers)
         if record is not None and self.track and result is not None:
@@ -644,7 +648,7 @@ class Loop:
     def size_cache(self, result: Any = None) -> None:
         """``kv_cache_bytes`` from the cache object the loop built (or, with transformers 4.x's legacy
         tuples, the ``past_key_values`` of its output), once; then the cache is let go."""
-        if self.cache is None and self.call.timed:
+        if self.cache is None and self.call.detailed:
             self.cache = getattr(result, "past_key_values", None)
         if self.cache is not None:
             try:
@@ -1030,7 +1034,7 @@ def make_get_candidate_generator(original: Callable, telemetry: emit.Telemetry) 
         frame = _ACTIVE.get()
         if telemetry.active and isinstance(frame, Loop) and frame.model is self:
             frame.assisted_generator = type(generator).__name__
-            if frame.call.timed:
+            if frame.call.detailed:
                 try:
                     figures.count_candidates(generator, frame)
                 except Exception as fault:
@@ -1048,7 +1052,7 @@ def make_prepare_cache_for_generation(original: Callable, telemetry: emit.Teleme
     def _prepare_cache_for_generation(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         loop = loop_for(self) if telemetry.active else None
-        if loop is not None and loop.call.timed:
+        if loop is not None and loop.call.detailed:
             try:
                 model_kwargs = signature.bind(*args, **kwargs).arguments.get("model_kwargs") or {}
                 for name in ("cache", "past_key_values", "cache_params"):
