@@ -179,7 +179,8 @@ class GenerateInstrumentor(BaseInstrumentor):
         if options.background_emission:
             telemetry.start_emitter(patches)
         self._telemetry, self._patches = telemetry, patches
-        _lifecycle.enable(options.tracer_provider, options.meter_provider)  # pool workers flush on exit
+        # pool workers flush on exit; a forked child drops the parent's aggregations of these instruments
+        _lifecycle.enable(options.tracer_provider, options.meter_provider, telemetry.instruments.values())
 
     def _uninstrument(self, **kwargs: Any) -> None:
         telemetry, patches = getattr(self, "_telemetry", None), getattr(self, "_patches", None)

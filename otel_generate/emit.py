@@ -26,8 +26,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from otel_generate import _lifecycle, clock
 from otel_generate import attributes as A
-from otel_generate import clock
 from otel_generate._faults import error_type, log_fault_once
 from otel_generate.fast_spans import fast_eligible
 from otel_generate.record import GenerationRecord
@@ -260,6 +260,7 @@ def finish(
         The :class:`GenerationRecord` given to profilers and callers; ``None`` when no one reads
         it (see above) or building it failed (the fault is logged once; the span still ends).
     """
+    _lifecycle.recorded = True  # this process has telemetry of its own to flush at exit
     record = None
     recording = span.is_recording()
     if recording or profilers or need_record:
