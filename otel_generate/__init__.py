@@ -20,7 +20,8 @@ With one line::
     GenerateInstrumentor().instrument()
     model.generate(**inputs)          # -> one request span with one child span per step
 
-    GenerateInstrumentor().uninstrument()
+    GenerateInstrumentor().uninstrument()   # requests of other threads still in their set-up
+                                            # are waited for (at most 2 s): they complete fully
 
 Configuration
 -------------
@@ -190,6 +191,8 @@ class GenerateInstrumentor(BaseInstrumentor):
             continuous_batching.end_in_flight(telemetry)  # requests in flight: ended, marked incomplete
             telemetry.stop_emitter()  # what it still holds is emitted first
             telemetry.active = False  # hooks still reachable (a bound method held somewhere) only call through
+            # requests of other threads already started keep their loops' hooks until their set-up is done
+            generate_loop.wait_for_setups(telemetry)
         if patches is not None:
             patches.restore_all()
         self._telemetry = self._patches = None

@@ -92,6 +92,10 @@ GENERATE_ASSISTED_ACCEPTANCE_RATE = "generate.assisted.acceptance_rate"
 GENERATE_STEPS_INCOMPLETE = "generate.steps.incomplete"
 #: Why no step was timed although the request generated: a loop the instrumentation cannot see into.
 GENERATE_STEPS_UNOBSERVED = "generate.steps.unobserved"
+#: True when ``uninstrument()`` (or the last self-instrumenting ``TokenLatencyProfiler`` closing) ran
+#: while the request was in flight and before its loop's hooks were reached: the loop ran, its steps were
+#: not timed (token counts are read off the tensors). A request whose set-up had passed is unaffected.
+GENERATE_STEPS_UNINSTRUMENTED = "generate.steps.uninstrumented"
 UNOBSERVED_CUSTOM_GENERATE = "custom_generate"  # a custom_generate loop that never calls the stopping criteria
 UNOBSERVED_MODEL_LOOP = "model_loop"  # a model's own generate() that runs no GenerationMixin loop
 #: Output tokens of inner calls whose result was not kept (Whisper fallback), included in gen_ai.usage.output_tokens.

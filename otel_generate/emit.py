@@ -19,6 +19,7 @@ record's nanoseconds here and nowhere else.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any, Callable, Collection, Dict, Optional, Sequence
 
@@ -87,6 +88,10 @@ class Telemetry:
         self.emitter: Any = None
         self.slow = None
         self._metric_probe = self.instruments.get(A.METRIC_REQUEST_DURATION)
+        #: requests still in their set-up (``generate()`` entered, the loop's hooks not all reached):
+        #: call -> thread ident; ``uninstrument()`` waits for them (bounded) before removing the hooks
+        self.setups: Dict[Any, int] = {}
+        self.setups_changed = threading.Condition(threading.Lock())
         from otel_generate.fast_spans import FastStepSpans
 
         #: builds step spans directly when that is exactly what the public API would give, else ``None``
@@ -332,7 +337,11 @@ def _annotate(telemetry: Telemetry, span: Any, request: Request, yield_every: in
                 attrs[A.GENERATE_DEVICE] = request.device
             if request.unobserved is not None:
                 attrs[A.GENERATE_STEPS_UNOBSERVED] = request.unobserved
+            elif request.uninstrumented and not latencies_ns:
+                attrs[A.GENERATE_STEPS_UNINSTRUMENTED] = True
             else:
+                if request.uninstrumented:
+                    attrs[A.GENERATE_STEPS_UNINSTRUMENTED] = True
                 attrs[A.GENERATE_STEPS] = len(latencies_ns)
                 emit_steps = _step_policy(telemetry, request, attrs, seconds(ttft_ns), seconds(tpot_ns))
                 if latencies_s:
@@ -354,7 +363,7 @@ def _annotate(telemetry: Telemetry, span: Any, request: Request, yield_every: in
             span.record_exception(request.error)
             span.set_status(Status(StatusCode.ERROR, f"{type(request.error).__name__}: {request.error}"))
         emitted = min(len(latencies_ns), telemetry.max_step_spans) if emit_steps else 0
-        if request.unobserved is None:
+        if request.unobserved is None and not (request.uninstrumented and not latencies_ns):
             attrs[A.GENERATE_STEP_SPANS_DROPPED] = len(latencies_ns) - emitted
         span.set_attributes(attrs)
         _emit_steps(telemetry, span, request, latencies_s, emitted, outliers, yield_every)
