@@ -131,6 +131,7 @@ def validate(config: BenchConfig) -> None:
         ("--max-step-spans", config.max_step_spans),
         ("--step-spans", config.step_spans),
         ("--background-emission", config.background_emission or None),
+        ("--sampler", None if getattr(config, "sampler", "always_on") == "always_on" else config.sampler),
     ):
         if value is not None:
             raise BenchUsageError(
