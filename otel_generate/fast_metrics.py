@@ -1,0 +1,149 @@
+"""Many values into one SDK histogram, taken only where it gives exactly what the public API gives.
+
+A request of ``n`` one-token steps records ``n - 1`` inter-token latencies with the same
+attributes and context. Through the public API (``histogram.record(value, attributes)``) each
+value pays the SDK's whole path again: the attributes cleaned (``Measurement``), the exemplar
+filter asked, each reader's view matches looked up, the attributes copied, filtered and hashed to
+find the aggregation, then ``aggregation.aggregate(measurement, should_sample_exemplar)``.
+
+:meth:`FastHistogram.record_many` records the first value through the public API (which creates
+the aggregations where needed, and runs every check), then finds, once, the aggregation each
+view of each reader fed, and hands each further value straight to those ``aggregate`` methods,
+with a ``Measurement`` holding the same value, its own ``time_ns()``, the same instrument,
+context and cleaned attributes. The exemplar filter is asked once when it is one of the SDK's
+own (their answer depends on the context alone), else once per value. A value the public API
+would refuse (not finite, negative) goes through the public API, which logs and drops it.
+
+That uses SDK internals, so it is taken only when they are exactly as expected
+(:meth:`FastHistogram.for_instrument`, once per ``instrument()``, and again on every call: the
+reader storages and view matches must be the SDK's own types, and every aggregation must already
+exist); otherwise, and after any fault (logged once, the fast path off for good), every value
+goes through the public API.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Iterable, List, Optional
+
+from otel_generate._faults import log_fault_once
+
+
+class _NotEligible(Exception):
+    pass
+
+
+class FastHistogram:
+    """Records many values with the same attributes into one SDK histogram (see the module docstring)."""
+
+    def __init__(self, histogram: Any) -> None:
+        from opentelemetry.attributes import _clean_attribute_value
+        from opentelemetry.context import get_current
+        from opentelemetry.sdk.metrics._internal._view_instrument_match import _hash_attributes, _ViewInstrumentMatch
+        from opentelemetry.sdk.metrics._internal.exemplar.exemplar_filter import (
+            AlwaysOffExemplarFilter,
+            AlwaysOnExemplarFilter,
+            TraceBasedExemplarFilter,
+        )
+        from opentelemetry.sdk.metrics._internal.measurement import Measurement
+        from opentelemetry.sdk.metrics._internal.metric_reader_storage import MetricReaderStorage
+
+        self._histogram = histogram
+        self._get_current = get_current
+        self._hash = _hash_attributes
+        self._vim_type = _ViewInstrumentMatch
+        self._storage_type = MetricReaderStorage
+        self._measurement = Measurement
+        self._clean = _clean_attribute_value
+        self._context_filters = (AlwaysOffExemplarFilter, AlwaysOnExemplarFilter, TraceBasedExemplarFilter)
+        self.broken = False
+
+    @classmethod
+    def for_instrument(cls, histogram: Any) -> Optional["FastHistogram"]:
+        """A :class:`FastHistogram` for an SDK histogram whose internals are as expected, else ``None``."""
+        try:
+            from opentelemetry.sdk.metrics._internal.instrument import _Histogram
+            from opentelemetry.sdk.metrics._internal.measurement_consumer import SynchronousMeasurementConsumer
+        except ImportError:
+            return None
+        try:
+            if type(histogram) is not _Histogram or not callable(getattr(histogram, "_is_enabled", None)):
+                return None
+            consumer = getattr(histogram, "_measurement_consumer", None)
+            if type(consumer) is not SynchronousMeasurementConsumer:
+                return None
+            if not isinstance(getattr(consumer, "_reader_storages", None), dict):
+                return None
+            if getattr(getattr(consumer, "_sdk_config", None), "exemplar_filter", None) is None:
+                return None
+            return cls(histogram)
+        except Exception as fault:  # an SDK whose internals look otherwise: the public path
+            log_fault_once("fast histogram check", fault)
+            return None
+
+    def _targets(self, cleaned: Any) -> List[Any]:
+        """The ``aggregate`` method of every aggregation the public path feeds for these attributes."""
+        histogram = self._histogram
+        targets = []
+        for storage in histogram._measurement_consumer._reader_storages.values():
+            if type(storage) is not self._storage_type:
+                raise _NotEligible
+            for match in storage._get_or_init_view_instrument_match(histogram):
+                if type(match) is not self._vim_type:
+                    raise _NotEligible
+                attributes = dict(cleaned) if cleaned else {}
+                keys = match._view._attribute_keys
+                if keys is not None:
+                    attributes = {k: v for k, v in attributes.items() if k in keys}
+                aggregation = match._attributes_aggregation.get(self._hash(attributes))
+                if aggregation is None:
+                    raise _NotEligible
+                targets.append(aggregation.aggregate)
+        return targets
+
+    def record_many(self, values: Iterable[float], attributes: Any) -> None:
+        """``histogram.record(value, attributes)`` for every value, in order, in the current context."""
+        record = self._histogram.record
+        iterator = iter(values)
+        for first in iterator:
+            record(first, attributes)  # the public path: checks, and creates the aggregations
+            break
+        else:
+            return
+        targets: Optional[List[Any]] = None
+        if not self.broken and self._histogram._is_enabled():
+            try:
+                cleaned = self._clean(attributes, None) if attributes is not None else None
+                targets = self._targets(cleaned)
+                context = self._get_current()
+                exemplar_filter = self._histogram._measurement_consumer._sdk_config.exemplar_filter
+                once = type(exemplar_filter) in self._context_filters
+            except _NotEligible:
+                targets = None
+            except Exception as fault:
+                self.broken = True
+                log_fault_once("fast histogram", fault)
+                targets = None
+        if targets is None:
+            for value in iterator:
+                record(value, attributes)
+            return
+        histogram, measurement, time_ns, isfinite = self._histogram, self._measurement, time.time_ns, math.isfinite
+        should_sample = exemplar_filter.should_sample
+        decided: Optional[bool] = None
+        for value in iterator:
+            if not isfinite(value) or value < 0:
+                record(value, attributes)  # refused with a warning, as the public path does
+                continue
+            now = time_ns()
+            m = measurement(value, now, histogram, context, None)
+            object.__setattr__(m, "attributes", cleaned)  # already cleaned, as Measurement would
+            if decided is None:
+                sample = should_sample(value, now, cleaned, context)
+                if once:
+                    decided = sample
+            else:
+                sample = decided
+            for aggregate in targets:
+                aggregate(m, sample)

@@ -1,0 +1,128 @@
+"""FastHistogram.record_many gives exactly what histogram.record() per value gives, or is not taken."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+from opentelemetry.sdk.trace import TracerProvider
+
+from otel_generate.fast_metrics import FastHistogram
+
+BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1]
+VALUES = [0.0004, 0.002, 0.002, 0.007, 0.03, 0.2, 0.0, 0.049, 0.011] * 5
+ATTRS = {"gen_ai.request.model": "m", "gen_ai.operation.name": "text_completion", "k": 3}
+
+
+def _histogram(views=(), readers=1):
+    readers = [InMemoryMetricReader() for _ in range(readers)]
+    provider = MeterProvider(metric_readers=readers, views=list(views))
+    meter = provider.get_meter("t")
+    histogram = meter.create_histogram("h", unit="s", explicit_bucket_boundaries_advisory=BUCKETS)
+    return histogram, readers
+
+
+def _points(reader):
+    data = reader.get_metrics_data()
+    out = []
+    for rm in data.resource_metrics if data is not None else ():
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                for p in metric.data.data_points:
+                    out.append(
+                        (
+                            metric.name,
+                            dict(p.attributes),
+                            p.count,
+                            p.sum,
+                            p.min,
+                            p.max,
+                            tuple(p.bucket_counts),
+                            tuple(p.explicit_bounds),
+                            sorted((e.value, e.span_id, dict(e.filtered_attributes or {})) for e in p.exemplars),
+                        )
+                    )
+    return sorted(out, key=repr)
+
+
+def _both(values, attributes=ATTRS, views=(), readers=1, in_span=True):
+    tracer = TracerProvider().get_tracer("t")
+    public, public_readers = _histogram(views, readers)
+    fast_histogram, fast_readers = _histogram(views, readers)
+    fast = FastHistogram.for_instrument(fast_histogram)
+    assert fast is not None
+    span = tracer.start_span("request")
+    context = trace.set_span_in_context(span) if in_span else None
+    from opentelemetry import context as ctx
+
+    token = ctx.attach(context) if context is not None else None
+    try:
+        for value in values:
+            public.record(value, attributes)
+        fast.record_many(iter(values), attributes)
+    finally:
+        if token is not None:
+            ctx.detach(token)
+    return [_points(r) for r in public_readers], [_points(r) for r in fast_readers], fast
+
+
+def test_same_data_points_and_exemplars_as_the_public_path():
+    public, fast, helper = _both(VALUES)
+    assert public == fast and not helper.broken
+    (points,) = public[0:1]
+    assert points[0][2] == len(VALUES) and points[0][6] == (10, 10, 5, 15, 0, 5)  # counts per bucket
+    assert points[0][8]  # exemplars were sampled (in a sampled span) on both paths
+
+
+def test_outside_a_span_no_exemplar_and_the_same_counts():
+    public, fast, _ = _both(VALUES, in_span=False)
+    assert public == fast and public[0][0][8] == []
+
+
+def test_refused_values_go_through_the_public_path_and_are_dropped_the_same(caplog):
+    values = [0.002, -1.0, math.inf, float("nan"), 0.03]
+    public, fast, _ = _both(values)
+    assert public == fast and public[0][0][2] == 2
+
+
+def test_views_filtering_attributes_and_two_readers():
+    views = [View(instrument_name="h", attribute_keys={"k"}, aggregation=ExplicitBucketHistogramAggregation([0.01]))]
+    public, fast, _ = _both(VALUES, views=views, readers=2)
+    assert public == fast and public[0][0][1] == {"k": 3} and public[0][0][6] == (25, 20)
+
+
+def test_no_attributes_and_empty_values():
+    public, fast, _ = _both(VALUES, attributes=None)
+    assert public == fast
+    public, fast, _ = _both([])
+    assert public == fast == [[]]
+
+
+def test_not_taken_for_anything_but_the_sdk_histogram():
+    from opentelemetry.metrics import NoOpMeterProvider
+
+    assert FastHistogram.for_instrument(NoOpMeterProvider().get_meter("t").create_histogram("h")) is None
+    assert FastHistogram.for_instrument(object()) is None
+
+
+def test_a_fault_turns_it_off_and_every_value_still_arrives(monkeypatch):
+    histogram, (reader,) = _histogram()
+    fast = FastHistogram.for_instrument(histogram)
+
+    def boom(cleaned):
+        raise RuntimeError("internals changed")
+
+    monkeypatch.setattr(fast, "_targets", boom)
+    fast.record_many(VALUES, ATTRS)
+    assert fast.broken is True
+    assert _points(reader)[0][2] == len(VALUES)
+
+
+@pytest.mark.parametrize("count", [1, 2, 127])
+def test_counts(count):
+    public, fast, _ = _both([0.003] * count)
+    assert public == fast and public[0][0][2] == count
