@@ -11,8 +11,11 @@ the aggregations where needed, and runs every check), then finds, once, the aggr
 view of each reader fed, and hands each further value straight to those ``aggregate`` methods,
 with a ``Measurement`` holding the same value, its own ``time_ns()``, the same instrument,
 context and cleaned attributes. The exemplar filter is asked once when it is one of the SDK's
-own (their answer depends on the context alone), else once per value. A value the public API
-would refuse (not finite, negative) goes through the public API, which logs and drops it.
+own (their answer depends on the context alone), else once per value. Where the exemplar
+reservoir is the SDK's ``AlignedHistogramBucketExemplarReservoir`` (the histogram default), which
+keeps the last value offered per bucket, only each bucket's last value is offered: the reservoir
+ends up holding the same exemplars. A value the public API would refuse (not finite, negative)
+goes through the public API, which logs and drops it.
 
 That uses SDK internals, so it is taken only when they are exactly as expected
 (:meth:`FastHistogram.for_instrument`, once per ``instrument()``, and again on every call: the
@@ -23,9 +26,10 @@ goes through the public API.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
-from typing import Any, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from otel_generate._faults import log_fault_once
 
@@ -41,10 +45,14 @@ class FastHistogram:
         from opentelemetry.attributes import _clean_attribute_value
         from opentelemetry.context import get_current
         from opentelemetry.sdk.metrics._internal._view_instrument_match import _hash_attributes, _ViewInstrumentMatch
+        from opentelemetry.sdk.metrics._internal.aggregation import _Aggregation
         from opentelemetry.sdk.metrics._internal.exemplar.exemplar_filter import (
             AlwaysOffExemplarFilter,
             AlwaysOnExemplarFilter,
             TraceBasedExemplarFilter,
+        )
+        from opentelemetry.sdk.metrics._internal.exemplar.exemplar_reservoir import (
+            AlignedHistogramBucketExemplarReservoir,
         )
         from opentelemetry.sdk.metrics._internal.measurement import Measurement
         from opentelemetry.sdk.metrics._internal.metric_reader_storage import MetricReaderStorage
@@ -57,6 +65,8 @@ class FastHistogram:
         self._measurement = Measurement
         self._clean = _clean_attribute_value
         self._context_filters = (AlwaysOffExemplarFilter, AlwaysOnExemplarFilter, TraceBasedExemplarFilter)
+        self._aligned = AlignedHistogramBucketExemplarReservoir
+        self._sample_exemplar = _Aggregation._sample_exemplar  # offers to the reservoir only when told to
         self.broken = False
 
     @classmethod
@@ -82,8 +92,10 @@ class FastHistogram:
             log_fault_once("fast histogram check", fault)
             return None
 
-    def _targets(self, cleaned: Any) -> List[Any]:
-        """The ``aggregate`` method of every aggregation the public path feeds for these attributes."""
+    def _targets(self, cleaned: Any) -> List[Tuple[Any, Optional[Sequence[float]]]]:
+        """``(aggregate, boundaries)`` of every aggregation the public path feeds for these attributes;
+        ``boundaries`` are its exemplar reservoir's when that reservoir keeps the last value offered
+        per bucket (the SDK's ``AlignedHistogramBucketExemplarReservoir``), else ``None``."""
         histogram = self._histogram
         targets = []
         for storage in histogram._measurement_consumer._reader_storages.values():
@@ -99,20 +111,23 @@ class FastHistogram:
                 aggregation = match._attributes_aggregation.get(self._hash(attributes))
                 if aggregation is None:
                     raise _NotEligible
-                targets.append(aggregation.aggregate)
+                reservoir = getattr(aggregation, "_reservoir", None)
+                boundaries = None
+                if type(reservoir) is self._aligned and type(aggregation)._sample_exemplar is self._sample_exemplar:
+                    boundaries = list(reservoir._boundaries)
+                targets.append((aggregation.aggregate, boundaries))
         return targets
 
     def record_many(self, values: Iterable[float], attributes: Any) -> None:
         """``histogram.record(value, attributes)`` for every value, in order, in the current context."""
         record = self._histogram.record
-        iterator = iter(values)
-        for first in iterator:
-            record(first, attributes)  # the public path: checks, and creates the aggregations
-            break
-        else:
+        values = list(values)
+        if not values:
             return
-        targets: Optional[List[Any]] = None
-        if not self.broken and self._histogram._is_enabled():
+        record(values[0], attributes)  # the public path: checks, and creates the aggregations
+        rest = values[1:]
+        targets = None
+        if rest and not self.broken and self._histogram._is_enabled():
             try:
                 cleaned = self._clean(attributes, None) if attributes is not None else None
                 targets = self._targets(cleaned)
@@ -126,14 +141,27 @@ class FastHistogram:
                 log_fault_once("fast histogram", fault)
                 targets = None
         if targets is None:
-            for value in iterator:
+            for value in rest:
                 record(value, attributes)
             return
         histogram, measurement, time_ns, isfinite = self._histogram, self._measurement, time.time_ns, math.isfinite
+        accepted = [isfinite(value) and value >= 0 for value in rest]
+        # A reservoir that keeps the last value offered per bucket ends up holding the same exemplars
+        # when only each bucket's last value is offered: the others would be overwritten.
+        offered: List[Optional[set]] = []
+        for _, boundaries in targets:
+            if boundaries is None or not once:
+                offered.append(None)
+                continue
+            last: Dict[int, int] = {}
+            for position, value in enumerate(rest):
+                if accepted[position]:
+                    last[bisect.bisect_left(boundaries, value)] = position
+            offered.append(set(last.values()))
         should_sample = exemplar_filter.should_sample
         decided: Optional[bool] = None
-        for value in iterator:
-            if not isfinite(value) or value < 0:
+        for position, value in enumerate(rest):
+            if not accepted[position]:
                 record(value, attributes)  # refused with a warning, as the public path does
                 continue
             now = time_ns()
@@ -145,5 +173,5 @@ class FastHistogram:
                     decided = sample
             else:
                 sample = decided
-            for aggregate in targets:
-                aggregate(m, sample)
+            for (aggregate, _), keep in zip(targets, offered):
+                aggregate(m, sample and (keep is None or position in keep))
