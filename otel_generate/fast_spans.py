@@ -5,7 +5,10 @@ about 17 µs of Python even with few attributes: the span object, its lock, the 
 container, the processors' start and end hooks. A step span is known in full when it is built
 (its times, its attributes, its parent): :class:`FastStepSpans` builds it directly as the
 ``ReadableSpan`` that ``Span.end()`` would hand to the span processor, and calls the processor's
-``on_end`` with it, in about a third of the time.
+``on_end`` with it, in about a third of the time. The ``ReadableSpan`` is a copy of one built by
+its own constructor at set-up, with the span's own fields set; its ``SpanContext`` is the tuple
+that ``SpanContext.__new__`` builds; the processors' ``on_end`` are called as the SDK's
+multi-processor calls them.
 
 That uses SDK internals, so it is taken only when the result is the same as the public path's
 (:meth:`FastStepSpans.for_tracer`, checked once per ``instrument()``):
@@ -37,6 +40,9 @@ from otel_generate._faults import log_fault_once
 
 #: Step spans with at most this many attributes, all numbers or bools, may take the fast path.
 MAX_FAST_ATTRIBUTES = 8
+_TRACE_ID_MAX = 2**128 - 1
+_SPAN_ID_MAX = 2**64 - 1
+_DEFAULT_TRACE_STATE: Any = None  # set from the API on first use (opentelemetry.trace.DEFAULT_TRACE_STATE)
 
 
 class FastStepSpans:
@@ -46,6 +52,16 @@ class FastStepSpans:
         from opentelemetry import trace
         from opentelemetry.sdk.trace import ReadableSpan
         from opentelemetry.trace import SpanKind, TraceFlags
+        from opentelemetry.trace.span import _SPAN_ID_MAX_VALUE, _TRACE_ID_MAX_VALUE, DEFAULT_TRACE_STATE
+
+        global _DEFAULT_TRACE_STATE
+        _DEFAULT_TRACE_STATE = DEFAULT_TRACE_STATE
+        if (_TRACE_ID_MAX_VALUE, _SPAN_ID_MAX_VALUE) != (_TRACE_ID_MAX, _SPAN_ID_MAX):
+            raise TypeError("SpanContext's id ranges are not those expected")
+        flags = TraceFlags(TraceFlags.SAMPLED)
+        public = trace.SpanContext(1, 2, is_remote=False, trace_flags=flags, trace_state=DEFAULT_TRACE_STATE)
+        if tuple(public) != (1, 2, False, flags, DEFAULT_TRACE_STATE, True):
+            raise TypeError("SpanContext's fields are not those expected")
 
         self._tracer = tracer
         self._readable = ReadableSpan
@@ -64,6 +80,28 @@ class FastStepSpans:
         self._scope = getattr(tracer, "_instrumentation_scope", None)
         self._per_parent = _decides_per_parent(self._sampler)
         self._decided: Dict[int, Any] = {}  # parent span id -> SamplingResult (per-parent samplers)
+        self._on_ends = tuple(p.on_end for p in self._checked)  # what the multi-processor's on_end calls
+        # ReadableSpan.__init__'s result for this tracer, built once by the constructor itself: each
+        # step span is a copy of its __dict__ with the span's own fields set (the same keys and values
+        # the constructor would set, without its call)
+        sample = ReadableSpan(
+            name="",
+            context=None,
+            parent=None,
+            resource=self._resource,
+            attributes=None,
+            kind=self._kind,
+            instrumentation_info=self._info,
+            start_time=0,
+            end_time=0,
+            instrumentation_scope=self._scope,
+        )
+        self._template = dict(vars(sample))
+        self._own = ("_name", "_context", "_parent", "_attributes", "_start_time", "_end_time")
+        if not set(self._own) <= set(self._template):
+            raise TypeError("ReadableSpan's fields are not those expected")
+        self._new_readable = ReadableSpan.__new__
+        self._new_tuple = tuple.__new__
         self.broken = False
 
     def usable(self) -> bool:
@@ -76,6 +114,7 @@ class FastStepSpans:
             if not _eligible_processors(self._processor):
                 return False
             self._checked = current
+            self._on_ends = tuple(p.on_end for p in current)
         return True
 
     @classmethod
@@ -103,6 +142,8 @@ class FastStepSpans:
                 if value is not None and value < MAX_FAST_ATTRIBUTES:
                     return None
             return cls(tracer)
+        except (ImportError, TypeError):  # an SDK whose internals look otherwise: the public path
+            return None
         except Exception as fault:  # an SDK whose internals look otherwise: the public path
             log_fault_once("fast step spans check", fault)
             return None
@@ -138,26 +179,36 @@ class FastStepSpans:
             flags = self._sampled if decision.is_sampled() else self._unsampled
             if self._random_flag is not None and getattr(parent.trace_flags, "random_trace_id", False):
                 flags = self._trace_flags(flags | self._random_flag)
-            context = self._span_context(
-                trace_id, self._new_span_id(), is_remote=False, trace_flags=flags, trace_state=sampling.trace_state
+            span_id = self._new_span_id()
+            trace_state = sampling.trace_state
+            # SpanContext(trace_id, span_id, False, flags, trace_state) without its __new__'s call: the
+            # same tuple (the trace id is the parent's, the span id the generator's: both valid)
+            context = self._new_tuple(
+                self._span_context,
+                (
+                    trace_id,
+                    span_id,
+                    False,
+                    flags,
+                    trace_state if trace_state is not None else _DEFAULT_TRACE_STATE,
+                    0 < trace_id <= _TRACE_ID_MAX and 0 < span_id <= _SPAN_ID_MAX,
+                ),
             )
-            span = self._readable(
-                name=name,
-                context=context,
-                parent=parent,
-                resource=self._resource,
-                attributes=span_attributes,
-                kind=self._kind,
-                instrumentation_info=self._info,
-                start_time=start,
-                end_time=end,
-                instrumentation_scope=self._scope,
-            )
+            span = self._new_readable(self._readable)
+            fields = self._template.copy()
+            fields["_name"] = name
+            fields["_context"] = context
+            fields["_parent"] = parent
+            fields["_attributes"] = span_attributes
+            fields["_start_time"] = start
+            fields["_end_time"] = end
+            span.__dict__ = fields
         except Exception as fault:
             self.broken = True
             log_fault_once("fast step spans", fault)
             return False
-        self._processor.on_end(span)  # a processor's exception is the caller's to handle, as for Span.end()
+        for on_end in self._on_ends:  # SynchronousMultiSpanProcessor.on_end, without its call
+            on_end(span)  # a processor's exception is the caller's to handle, as for Span.end()
         return True
 
 

@@ -41,6 +41,11 @@ def run(provider, model, fast, monkeypatch=None, **options):
 def described(span):
     """Everything an exporter reads off a step span, relative to its request span."""
     return dict(
+        type=type(span),
+        fields=sorted(vars(span)),  # the same fields as ReadableSpan's constructor sets
+        context_type=type(span.context),
+        context_valid=span.context.is_valid,
+        parent_remote=span.parent.is_remote,
         name=span.name,
         kind=span.kind,
         attributes=dict(span.attributes),
