@@ -14,8 +14,10 @@ context and cleaned attributes. The exemplar filter is asked once when it is one
 own (their answer depends on the context alone), else once per value. Where the exemplar
 reservoir is the SDK's ``AlignedHistogramBucketExemplarReservoir`` (the histogram default), which
 keeps the last value offered per bucket, only each bucket's last value is offered: the reservoir
-ends up holding the same exemplars. A value the public API would refuse (not finite, negative)
-goes through the public API, which logs and drops it.
+ends up holding the same exemplars. Where every aggregation is the SDK's explicit-bucket histogram
+with one of the SDK's reservoirs (which read a measurement's fields and keep none of it), one
+``Measurement`` is reused, its value and time set for each value. A value the public API would
+refuse (not finite, negative) goes through the public API, which logs and drops it.
 
 That uses SDK internals, so it is taken only when they are exactly as expected
 (:meth:`FastHistogram.for_instrument`, once per ``instrument()``, and again on every call: the
@@ -45,7 +47,7 @@ class FastHistogram:
         from opentelemetry.attributes import _clean_attribute_value
         from opentelemetry.context import get_current
         from opentelemetry.sdk.metrics._internal._view_instrument_match import _hash_attributes, _ViewInstrumentMatch
-        from opentelemetry.sdk.metrics._internal.aggregation import _Aggregation
+        from opentelemetry.sdk.metrics._internal.aggregation import _Aggregation, _ExplicitBucketHistogramAggregation
         from opentelemetry.sdk.metrics._internal.exemplar.exemplar_filter import (
             AlwaysOffExemplarFilter,
             AlwaysOnExemplarFilter,
@@ -53,6 +55,7 @@ class FastHistogram:
         )
         from opentelemetry.sdk.metrics._internal.exemplar.exemplar_reservoir import (
             AlignedHistogramBucketExemplarReservoir,
+            SimpleFixedSizeExemplarReservoir,
         )
         from opentelemetry.sdk.metrics._internal.measurement import Measurement
         from opentelemetry.sdk.metrics._internal.metric_reader_storage import MetricReaderStorage
@@ -66,6 +69,9 @@ class FastHistogram:
         self._clean = _clean_attribute_value
         self._context_filters = (AlwaysOffExemplarFilter, AlwaysOnExemplarFilter, TraceBasedExemplarFilter)
         self._aligned = AlignedHistogramBucketExemplarReservoir
+        self._histogram_aggregation = _ExplicitBucketHistogramAggregation
+        self._reservoirs = (AlignedHistogramBucketExemplarReservoir, SimpleFixedSizeExemplarReservoir)
+        self._reuse = False
         self._sample_exemplar = _Aggregation._sample_exemplar  # offers to the reservoir only when told to
         self.broken = False
 
@@ -115,6 +121,8 @@ class FastHistogram:
                 boundaries = None
                 if type(reservoir) is self._aligned and type(aggregation)._sample_exemplar is self._sample_exemplar:
                     boundaries = list(reservoir._boundaries)
+                if type(aggregation) is not self._histogram_aggregation or type(reservoir) not in self._reservoirs:
+                    self._reuse = False
                 targets.append((aggregation.aggregate, boundaries))
         return targets
 
@@ -130,7 +138,9 @@ class FastHistogram:
         if rest and not self.broken and self._histogram._is_enabled():
             try:
                 cleaned = self._clean(attributes, None) if attributes is not None else None
+                self._reuse = True
                 targets = self._targets(cleaned)
+                reuse = self._reuse
                 context = self._get_current()
                 exemplar_filter = self._histogram._measurement_consumer._sdk_config.exemplar_filter
                 once = type(exemplar_filter) in self._context_filters
@@ -160,13 +170,19 @@ class FastHistogram:
             offered.append(set(last.values()))
         should_sample = exemplar_filter.should_sample
         decided: Optional[bool] = None
+        m: Any = None
+        setfield = object.__setattr__
         for position, value in enumerate(rest):
             if not accepted[position]:
                 record(value, attributes)  # refused with a warning, as the public path does
                 continue
             now = time_ns()
-            m = measurement(value, now, histogram, context, None)
-            object.__setattr__(m, "attributes", cleaned)  # already cleaned, as Measurement would
+            if m is None or not reuse:
+                m = measurement(value, now, histogram, context, None)
+                object.__setattr__(m, "attributes", cleaned)  # already cleaned, as Measurement would
+            else:  # the SDK's histogram aggregation and reservoirs read its fields, never keep it
+                setfield(m, "value", value)
+                setfield(m, "time_unix_nano", now)
             if decided is None:
                 sample = should_sample(value, now, cleaned, context)
                 if once:
