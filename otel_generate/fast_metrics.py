@@ -17,7 +17,10 @@ keeps the last value offered per bucket, only each bucket's last value is offere
 ends up holding the same exemplars. Where every aggregation is the SDK's explicit-bucket histogram
 with one of the SDK's reservoirs (which read a measurement's fields and keep none of it), one
 ``Measurement`` is reused, its value and time set for each value. A value the public API would
-refuse (not finite, negative) goes through the public API, which logs and drops it.
+refuse (not finite, negative) goes through the public API, which logs and drops it. Where, in
+addition, the aggregation's ``aggregate`` is exactly the SDK's code this module knows (compared
+with its source), that code's effect for all values is applied under one lock (the same sum in
+the same order, the bucket counts, min and max), then the exemplars are offered.
 
 That uses SDK internals, so it is taken only when they are exactly as expected
 (:meth:`FastHistogram.for_instrument`, once per ``instrument()``, and again on every call: the
@@ -38,6 +41,53 @@ from otel_generate._faults import log_fault_once
 
 class _NotEligible(Exception):
     pass
+
+
+#: The SDK's ``_ExplicitBucketHistogramAggregation.aggregate`` (opentelemetry-sdk 1.x) that
+#: :meth:`FastHistogram.record_many` repeats for many values under one lock; compared with the
+#: installed SDK's source (whitespace aside) before it is relied on.
+_AGGREGATE_SOURCE = """
+def aggregate(self, measurement: Measurement, should_sample_exemplar: bool = True) -> None:
+    with self._lock:
+        if self._value is None:
+            self._value = self._get_empty_bucket_counts()
+        measurement_value = measurement.value
+        self._sum += measurement_value
+        if self._record_min_max:
+            self._min = min(self._min, measurement_value)
+            self._max = max(self._max, measurement_value)
+        self._value[bisect_left(self._boundaries, measurement_value)] += 1
+    self._sample_exemplar(measurement, should_sample_exemplar)
+"""
+_checked_classes: Dict[type, bool] = {}
+
+
+def _normalized(source: str) -> str:
+    return "\n".join(line.strip() for line in source.splitlines() if line.strip())
+
+
+def _aggregates_as_expected(cls: type) -> bool:
+    """Whether ``cls.aggregate`` is exactly :data:`_AGGREGATE_SOURCE`, with the builtins and
+    ``bisect_left`` it names being those (read from its source, once per class)."""
+    known = _checked_classes.get(cls)
+    if known is None:
+        try:
+            import inspect
+            import sys
+
+            function = cls.__dict__["aggregate"]
+            namespace = vars(sys.modules[function.__module__])
+            known = (
+                _normalized(inspect.getsource(function)) == _normalized(_AGGREGATE_SOURCE)
+                and namespace.get("bisect_left") is bisect.bisect_left
+                and "min" not in namespace
+                and "max" not in namespace
+                and callable(getattr(cls, "_get_empty_bucket_counts", None))
+            )
+        except Exception:  # no source, another layout: never relied on
+            known = False
+        _checked_classes[cls] = known
+    return known
 
 
 class FastHistogram:
@@ -72,6 +122,8 @@ class FastHistogram:
         self._histogram_aggregation = _ExplicitBucketHistogramAggregation
         self._reservoirs = (AlignedHistogramBucketExemplarReservoir, SimpleFixedSizeExemplarReservoir)
         self._reuse = False
+        self._bulk = False
+        self._aggregations: List[Any] = []
         self._sample_exemplar = _Aggregation._sample_exemplar  # offers to the reservoir only when told to
         self.broken = False
 
@@ -123,7 +175,10 @@ class FastHistogram:
                     boundaries = list(reservoir._boundaries)
                 if type(aggregation) is not self._histogram_aggregation or type(reservoir) not in self._reservoirs:
                     self._reuse = False
+                elif not _aggregates_as_expected(type(aggregation)):
+                    self._bulk = False
                 targets.append((aggregation.aggregate, boundaries))
+                self._aggregations.append(aggregation)
         return targets
 
     def record_many(self, values: Iterable[float], attributes: Any) -> None:
@@ -138,9 +193,11 @@ class FastHistogram:
         if rest and not self.broken and self._histogram._is_enabled():
             try:
                 cleaned = self._clean(attributes, None) if attributes is not None else None
-                self._reuse = True
+                self._reuse = self._bulk = True
+                self._aggregations = []
                 targets = self._targets(cleaned)
                 reuse = self._reuse
+                bulk = reuse and self._bulk
                 context = self._get_current()
                 exemplar_filter = self._histogram._measurement_consumer._sdk_config.exemplar_filter
                 once = type(exemplar_filter) in self._context_filters
@@ -172,6 +229,31 @@ class FastHistogram:
         decided: Optional[bool] = None
         m: Any = None
         setfield = object.__setattr__
+        if bulk and once and all(accepted):
+            # what aggregate() does per value (the SDK's own code, checked by _aggregates_as_expected),
+            # under one lock: the same sum in the same order, counts, min and max; then the exemplars
+            now = time_ns()
+            sample = should_sample(rest[0], now, cleaned, context)
+            m = measurement(rest[0], now, histogram, context, None)
+            setfield(m, "attributes", cleaned)
+            for aggregation, keep in zip(self._aggregations, offered):
+                with aggregation._lock:
+                    if aggregation._value is None:
+                        aggregation._value = aggregation._get_empty_bucket_counts()
+                    total, counts, bounds = aggregation._sum, aggregation._value, aggregation._boundaries
+                    for value in rest:
+                        total += value
+                        counts[bisect.bisect_left(bounds, value)] += 1
+                    aggregation._sum = total
+                    if aggregation._record_min_max:
+                        aggregation._min = min(aggregation._min, min(rest))
+                        aggregation._max = max(aggregation._max, max(rest))
+                if sample:
+                    for position in sorted(keep) if keep is not None else range(len(rest)):
+                        setfield(m, "value", rest[position])
+                        setfield(m, "time_unix_nano", time_ns())
+                        aggregation._sample_exemplar(m, True)
+            return
         for position, value in enumerate(rest):
             if not accepted[position]:
                 record(value, attributes)  # refused with a warning, as the public path does

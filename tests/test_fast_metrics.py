@@ -126,3 +126,18 @@ def test_a_fault_turns_it_off_and_every_value_still_arrives(monkeypatch):
 def test_counts(count):
     public, fast, _ = _both([0.003] * count)
     assert public == fast and public[0][0][2] == count
+
+
+def test_the_installed_sdk_aggregation_is_the_code_the_bulk_path_repeats():
+    # if the SDK changes its histogram aggregation, the bulk path is not taken (and this says so)
+    from opentelemetry.sdk.metrics._internal.aggregation import _ExplicitBucketHistogramAggregation
+
+    from otel_generate.fast_metrics import _aggregates_as_expected
+
+    assert _aggregates_as_expected(_ExplicitBucketHistogramAggregation)
+
+    class Other(_ExplicitBucketHistogramAggregation):
+        def aggregate(self, measurement, should_sample_exemplar=True):
+            return super().aggregate(measurement, should_sample_exemplar)
+
+    assert not _aggregates_as_expected(Other)
