@@ -97,9 +97,9 @@ class Telemetry:
 
         #: builds step spans directly when that is exactly what the public API would give, else ``None``
         self.fast = FastStepSpans.for_tracer(tracer)
-        #: records a request's inter-token latencies in one go where that is exactly what the public API would do
-        itl = self.instruments.get(A.METRIC_INTER_TOKEN_LATENCY)
-        self.fast_itl = FastHistogram.for_instrument(itl) if itl is not None else None
+        #: metric name -> FastHistogram: records values (a request's inter-token latencies, each single
+        #: figure) where that gives exactly what the public record() would, else None
+        self.fast_histograms = {name: FastHistogram.for_instrument(h) for name, h in self.instruments.items()}
         if self.options.step_spans == A.POLICY_SLOW:
             self.slow = SlowRequests(
                 self.options.slow_time_to_first_token,
@@ -293,7 +293,7 @@ def finish(
         log_fault_once("request span end", fault)
     if telemetry.instruments and (record is not None or not recording):
         try:
-            _record_metrics(telemetry.instruments, span, request, record, telemetry.fast_itl)
+            _record_metrics(telemetry.instruments, span, request, record, telemetry.fast_histograms)
         except Exception as fault:
             log_fault_once("metrics", fault)
     if record is not None:
@@ -569,15 +569,28 @@ def _record_metrics(
     span: Any,
     request: Request,
     record: Optional[GenerationRecord] = None,
-    fast_itl: Any = None,
+    fast: Optional[Dict[str, Any]] = None,
 ) -> None:
     """The GenAI histograms and the inter-token latency histogram of one request.
 
     Figures come from ``record`` when it was built, else straight from ``request`` (an unsampled
     request: no list is built). Recorded while the request span is the current span when it is
     sampled, so exemplars point at it; an unsampled request's measurements are recorded under no
-    span at all, so no exemplar points at a trace that was not kept.
+    span at all, so no exemplar points at a trace that was not kept. ``fast``: name ->
+    :class:`~otel_generate.fast_metrics.FastHistogram` (or ``None``) of the instruments that may
+    take the fast path, which gives exactly what ``record()`` would.
     """
+    fast = fast or {}
+
+    def record_values(name: str, values: Any, attributes: Dict[str, Any]) -> None:
+        helper = fast.get(name)
+        if helper is not None:
+            helper.record_many(values, attributes)
+        else:
+            record_one = instruments[name].record
+            for value in values:
+                record_one(value, attributes)
+
     base = {
         A.GEN_AI_OPERATION_NAME: A.OPERATION_TEXT_COMPLETION,
         A.GEN_AI_PROVIDER_NAME: A.PROVIDER_TRANSFORMERS,
@@ -600,27 +613,23 @@ def _record_metrics(
     exemplar_span = span if span.get_span_context().trace_flags.sampled else trace.INVALID_SPAN
     token = otel_context.attach(trace.set_span_in_context(exemplar_span))
     try:
-        instruments[A.METRIC_REQUEST_DURATION].record(duration_s, base)
-        instruments[A.METRIC_CLIENT_OPERATION_DURATION].record(duration_s, base)
+        record_values(A.METRIC_REQUEST_DURATION, (duration_s,), base)
+        record_values(A.METRIC_CLIENT_OPERATION_DURATION, (duration_s,), base)
         # defined for successful responses only (GenAI metrics page); the inter-token latency alike
         if not error:
             if ttft_s is not None:
-                instruments[A.METRIC_TIME_TO_FIRST_TOKEN].record(ttft_s, base)
+                record_values(A.METRIC_TIME_TO_FIRST_TOKEN, (ttft_s,), base)
             if tpot_s is not None:
-                instruments[A.METRIC_TIME_PER_OUTPUT_TOKEN].record(tpot_s, base)
-                itl = instruments.get(A.METRIC_INTER_TOKEN_LATENCY)
-                if itl is not None:
+                record_values(A.METRIC_TIME_PER_OUTPUT_TOKEN, (tpot_s,), base)
+                if A.METRIC_INTER_TOKEN_LATENCY in instruments:
                     gaps_s = (gap_ns / clock.NS_PER_S for gap_ns in request.inter_token_latencies_ns())
-                    if fast_itl is not None:
-                        fast_itl.record_many(gaps_s, base)  # exactly the public path's result, faster
-                    else:
-                        record_itl = itl.record
-                        for gap_s in gaps_s:
-                            record_itl(gap_s, base)
-        usage = instruments[A.METRIC_TOKEN_USAGE]
-        if request.input_tokens is not None:
-            usage.record(request.input_tokens, {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_INPUT})
-        if request.output_tokens is not None:
-            usage.record(request.output_tokens, {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_OUTPUT})
+                    record_values(A.METRIC_INTER_TOKEN_LATENCY, gaps_s, base)
+        if A.METRIC_TOKEN_USAGE in instruments:
+            if request.input_tokens is not None:
+                inputs = {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_INPUT}
+                record_values(A.METRIC_TOKEN_USAGE, (request.input_tokens,), inputs)
+            if request.output_tokens is not None:
+                outputs = {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_OUTPUT}
+                record_values(A.METRIC_TOKEN_USAGE, (request.output_tokens,), outputs)
     finally:
         otel_context.detach(token)

@@ -6,9 +6,9 @@ value pays the SDK's whole path again: the attributes cleaned (``Measurement``),
 filter asked, each reader's view matches looked up, the attributes copied, filtered and hashed to
 find the aggregation, then ``aggregation.aggregate(measurement, should_sample_exemplar)``.
 
-:meth:`FastHistogram.record_many` records the first value through the public API (which creates
-the aggregations where needed, and runs every check), then finds, once, the aggregation each
-view of each reader fed, and hands each further value straight to those ``aggregate`` methods,
+:meth:`FastHistogram.record_many` finds, once per call, the aggregation each view of each reader
+feeds for these attributes (where one does not exist yet, every value goes through the public
+API, which creates it), and hands each value straight to those ``aggregate`` methods,
 with a ``Measurement`` holding the same value, its own ``time_ns()``, the same instrument,
 context and cleaned attributes. The exemplar filter is asked once when it is one of the SDK's
 own (their answer depends on the context alone), else once per value. Where the exemplar
@@ -184,11 +184,9 @@ class FastHistogram:
     def record_many(self, values: Iterable[float], attributes: Any) -> None:
         """``histogram.record(value, attributes)`` for every value, in order, in the current context."""
         record = self._histogram.record
-        values = list(values)
-        if not values:
+        rest = list(values)
+        if not rest:
             return
-        record(values[0], attributes)  # the public path: checks, and creates the aggregations
-        rest = values[1:]
         targets = None
         if rest and not self.broken and self._histogram._is_enabled():
             try:
@@ -208,7 +206,7 @@ class FastHistogram:
                 log_fault_once("fast histogram", fault)
                 targets = None
         if targets is None:
-            for value in rest:
+            for value in rest:  # the public path (which creates the aggregations the next call finds)
                 record(value, attributes)
             return
         histogram, measurement, time_ns, isfinite = self._histogram, self._measurement, time.time_ns, math.isfinite
