@@ -181,6 +181,55 @@ class FastHistogram:
                 self._aggregations.append(aggregation)
         return targets
 
+    def _aggregate_all(
+        self, values: List[float], low: float, cleaned: Any, context: Any, should_sample: Any, targets: List[Any]
+    ) -> None:
+        """What ``aggregate()`` does per value (the SDK's own code, checked by
+        :func:`_aggregates_as_expected`), for all values under one lock: the same sum in the same
+        order, the bucket counts, min and max; then the exemplars, each bucket's last value where
+        the reservoir keeps only that."""
+        time_ns, setfield = time.time_ns, object.__setattr__
+        now = time_ns()
+        sample = should_sample(values[0], now, cleaned, context)  # the filter answers from the context alone
+        high = max(values)
+        m = self._measurement(values[0], now, self._histogram, context, None)
+        setfield(m, "attributes", cleaned)
+        bisect_left = bisect.bisect_left
+        for aggregation, (_, boundaries) in zip(self._aggregations, targets):
+            same = sample and boundaries is not None and boundaries == list(aggregation._boundaries)
+            last: Dict[int, int] = {}
+            with aggregation._lock:
+                if aggregation._value is None:
+                    aggregation._value = aggregation._get_empty_bucket_counts()
+                total, counts, bounds = aggregation._sum, aggregation._value, aggregation._boundaries
+                if same:
+                    for position, value in enumerate(values):
+                        total += value
+                        index = bisect_left(bounds, value)
+                        counts[index] += 1
+                        last[index] = position
+                else:
+                    for value in values:
+                        total += value
+                        counts[bisect_left(bounds, value)] += 1
+                aggregation._sum = total
+                if aggregation._record_min_max:
+                    aggregation._min = min(aggregation._min, low)
+                    aggregation._max = max(aggregation._max, high)
+            if not sample:
+                continue
+            if boundaries is None:  # a reservoir that may keep any value: every value offered, in order
+                positions: Iterable[int] = range(len(values))
+            else:
+                if not same:
+                    for position, value in enumerate(values):
+                        last[bisect_left(boundaries, value)] = position
+                positions = sorted(last.values())
+            for position in positions:
+                setfield(m, "value", values[position])
+                setfield(m, "time_unix_nano", time_ns())
+                aggregation._sample_exemplar(m, True)
+
     def record_many(self, values: Iterable[float], attributes: Any) -> None:
         """``histogram.record(value, attributes)`` for every value, in order, in the current context."""
         record = self._histogram.record
@@ -210,6 +259,13 @@ class FastHistogram:
                 record(value, attributes)
             return
         histogram, measurement, time_ns, isfinite = self._histogram, self._measurement, time.time_ns, math.isfinite
+        should_sample = exemplar_filter.should_sample
+        setfield = object.__setattr__
+        if bulk and once:
+            low = min(rest)
+            if low >= 0 and isfinite(math.fsum(rest)):  # every value finite and >= 0 (NaN fails fsum)
+                self._aggregate_all(rest, low, cleaned, context, should_sample, targets)
+                return
         accepted = [isfinite(value) and value >= 0 for value in rest]
         # A reservoir that keeps the last value offered per bucket ends up holding the same exemplars
         # when only each bucket's last value is offered: the others would be overwritten.
@@ -223,35 +279,8 @@ class FastHistogram:
                 if accepted[position]:
                     last[bisect.bisect_left(boundaries, value)] = position
             offered.append(set(last.values()))
-        should_sample = exemplar_filter.should_sample
         decided: Optional[bool] = None
         m: Any = None
-        setfield = object.__setattr__
-        if bulk and once and all(accepted):
-            # what aggregate() does per value (the SDK's own code, checked by _aggregates_as_expected),
-            # under one lock: the same sum in the same order, counts, min and max; then the exemplars
-            now = time_ns()
-            sample = should_sample(rest[0], now, cleaned, context)
-            m = measurement(rest[0], now, histogram, context, None)
-            setfield(m, "attributes", cleaned)
-            for aggregation, keep in zip(self._aggregations, offered):
-                with aggregation._lock:
-                    if aggregation._value is None:
-                        aggregation._value = aggregation._get_empty_bucket_counts()
-                    total, counts, bounds = aggregation._sum, aggregation._value, aggregation._boundaries
-                    for value in rest:
-                        total += value
-                        counts[bisect.bisect_left(bounds, value)] += 1
-                    aggregation._sum = total
-                    if aggregation._record_min_max:
-                        aggregation._min = min(aggregation._min, min(rest))
-                        aggregation._max = max(aggregation._max, max(rest))
-                if sample:
-                    for position in sorted(keep) if keep is not None else range(len(rest)):
-                        setfield(m, "value", rest[position])
-                        setfield(m, "time_unix_nano", time_ns())
-                        aggregation._sample_exemplar(m, True)
-            return
         for position, value in enumerate(rest):
             if not accepted[position]:
                 record(value, attributes)  # refused with a warning, as the public path does

@@ -193,6 +193,21 @@ class Request:
             start = starts[index] if starts is not None else ends[index - 1]
             yield (ends[index] - start) / produced
 
+    def inter_token_latencies_s(self) -> List[float]:
+        """:meth:`inter_token_latencies_ns` in seconds, as a list; the common case (one token per
+        step, only the first step a prefill, steps back to back) computed at once, to the same values."""
+        ends, tokens = self.step_ends_ns, self.step_tokens
+        count = len(tokens)
+        if (
+            self.step_starts_ns is None
+            and 1 < count <= len(ends)
+            and min(tokens) == 1 == max(tokens)
+            and self.prefill_indices() <= {0}
+        ):
+            per_second = clock.NS_PER_S
+            return [float(gap) / per_second for gap in map(operator.sub, ends[1:count], ends[: count - 1])]
+        return [gap / clock.NS_PER_S for gap in self.inter_token_latencies_ns()]
+
     def prefill_indices(self) -> set:
         """Indices of the steps that processed a prompt (named ``prefill``)."""
         first = set(range(self.prefill_steps))

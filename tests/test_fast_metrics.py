@@ -141,3 +141,27 @@ def test_the_installed_sdk_aggregation_is_the_code_the_bulk_path_repeats():
             return super().aggregate(measurement, should_sample_exemplar)
 
     assert not _aggregates_as_expected(Other)
+
+
+@pytest.mark.parametrize(
+    "tokens, starts, prefill_steps",
+    [
+        ([1] * 6, None, 1),  # the common case: computed at once
+        ([1, 1, 2, 1, 0, 1], None, 1),  # assisted decoding: several tokens, or none, per step
+        ([1] * 6, [5, 16, 30, 47, 51, 70], 1),  # explicit starts (continuous batching)
+        ([1] * 6, None, 2),  # two prefill steps
+    ],
+)
+def test_inter_token_latencies_in_seconds_are_those_of_the_generator(tokens, starts, prefill_steps):
+    from otel_generate import clock
+    from otel_generate.request import Request
+
+    request = Request(model="m", start_ns=0, start_wall_ns=0, timed=True, synchronized=True)
+    request.step_ends_ns = [10, 25, 43, 60, 66, 81]
+    request.step_tokens = tokens
+    request.step_starts_ns = starts
+    request.prefill_steps = prefill_steps
+    expected = [gap / clock.NS_PER_S for gap in request.inter_token_latencies_ns()]
+    assert request.inter_token_latencies_s() == expected and all(type(v) is float for v in expected)
+    if tokens == [1] * 6 and starts is None and prefill_steps == 1:
+        assert expected == [g / 1e9 for g in (15, 18, 17, 6, 15)]
