@@ -39,7 +39,7 @@ from opentelemetry import trace
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from otel_generate import attributes as A
-from otel_generate import clock, emit, figures
+from otel_generate import clock, emit, figures, ranks
 from otel_generate._faults import log_fault_once
 from otel_generate.request import InnerCall, Request
 from otel_generate.tokens import (
@@ -882,13 +882,16 @@ def run_request(
     """
     call_args = (model, *args) if call_args is None else call_args
     extras = pop_extras(kwargs)  # never passed on to transformers, even when suppressed
-    if not is_instrumentation_enabled():
+    placement = ranks.placement(model, telemetry.options.tensor_parallel_spans)  # None unless distributed
+    if not is_instrumentation_enabled() or (placement is not None and placement.silent):
         return original(*call_args, **kwargs)
     try:
         call = Call(telemetry, model, args, kwargs, extras, custom_generate=custom_generate)
     except Exception as fault:
         log_fault_once("request start", fault)
         return original(*call_args, **kwargs)
+    if placement is not None:
+        ranks.apply(placement, call.request)
     # the user's GenerationMixin.generate is the request's loop: it starts when the request does
     frame = call.open_loop(model, kwargs, start_ns=call.request.start_ns) if loop else call
     token = _ACTIVE.set(frame)
