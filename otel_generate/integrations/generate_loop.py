@@ -39,7 +39,7 @@ from opentelemetry import trace
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from otel_generate import attributes as A
-from otel_generate import clock, emit, figures, ranks
+from otel_generate import cancellation, clock, emit, figures, ranks
 from otel_generate._faults import log_fault_once
 from otel_generate.request import InnerCall, Request
 from otel_generate.tokens import (
@@ -324,12 +324,15 @@ class Call:
         Returns ``result`` (with ``token_latencies`` attached when asked for).
         """
         request = self.request
-        request.error = exc
+        cancelled = cancellation.is_cancellation(exc)  # a departed client: not an error
+        request.error = None if cancelled else exc
         try:
             self._synchronize()
             request.end_ns = clock.monotonic_ns()
             request.memory_peak_bytes = self._memory(figures.peak_memory)
             self._assemble(result, exc)
+            if cancelled:
+                cancellation.account(request, self.loops)
         except Exception as fault:
             request.incomplete = True
             log_fault_once("request accounting", fault)
