@@ -214,3 +214,30 @@ def test_the_option_and_its_environment_variable(monkeypatch):
         resolve({"tensor_parallel_spans": "every"})
     with pytest.raises(TypeError, match="tensor_parallel_spans must be a string"):
         resolve({"tensor_parallel_spans": 1})
+
+
+def test_a_silent_rank_makes_no_request_of_the_generate_calls_inside_its_call(instrumented, span_exporter):
+    """A model's own generate() that calls a submodule's (as Blip-2 calls its language model's): on a
+    rank other than 0 the inner call is part of the silent call, not a request of its own, and the
+    call is counted once."""
+    from transformers import GPT2LMHeadModel
+
+    class Wrapping(GPT2LMHeadModel):  # instrumented when defined (docs/contract.md, "Which calls")
+        def generate(self, *args, **kwargs):
+            return self.inner.generate(*args, **kwargs)
+
+    ids, mask = prompt()
+    for rank in (1, 0):
+        config = build_model("gpt2", seed=0).config
+        model = Wrapping(config).eval()
+        model.inner = build_model("gpt2", seed=0)  # a submodule with no mesh of its own
+        model._device_mesh = _Mesh(rank, 2)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        spans = request_spans(span_exporter)
+        assert len(spans) == (1 if rank == 0 else 0), [s.name for s in spans]
+        assert next(ranks._MODELS[model].calls) == 1  # this call was counted once
+    (span,) = request_spans(span_exporter)
+    assert span.name == "text_completion Wrapping"
+    assert span.attributes[A.GENERATE_TENSOR_PARALLEL_RANK] == 0
+    assert span.attributes[A.GENERATE_TENSOR_PARALLEL_CALL_INDEX] == 0
+    assert span.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] == out.shape[-1] - ids.shape[-1]

@@ -886,8 +886,14 @@ def run_request(
     call_args = (model, *args) if call_args is None else call_args
     extras = pop_extras(kwargs)  # never passed on to transformers, even when suppressed
     placement = ranks.placement(model, telemetry.options.tensor_parallel_spans)  # None unless distributed
-    if not is_instrumentation_enabled() or (placement is not None and placement.silent):
+    if not is_instrumentation_enabled():
         return original(*call_args, **kwargs)
+    if placement is not None and placement.silent:  # rank 0 of the group emits this call
+        token = _ACTIVE.set(_NESTED)  # the generate() calls inside it are not requests either
+        try:
+            return original(*call_args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
     try:
         call = Call(telemetry, model, args, kwargs, extras, custom_generate=custom_generate)
     except Exception as fault:
