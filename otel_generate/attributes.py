@@ -123,9 +123,10 @@ STRATEGY_DOLA = "dola"
 #: The process's rank inside the model's tensor-parallel group (``tp_plan``), and the group's size.
 GENERATE_TENSOR_PARALLEL_RANK = "generate.tensor_parallel.rank"
 GENERATE_TENSOR_PARALLEL_SIZE = "generate.tensor_parallel.size"
-#: The 0-based ordinal of this ``generate()`` call on this tensor-parallel model in this process since
-#: ``instrument()``: the ranks of a group run the same calls in the same order (their collectives
-#: must match), so the spans of one user call carry the same value on every rank.
+#: The 0-based ordinal of this ``generate()`` call among the calls made on this tensor-parallel model
+#: in this process while the instrumentation was on (suppressed ones included): the ranks of a group
+#: run the same calls in the same order (their collectives must match), so the spans of one user call
+#: carry the same value on every rank.
 GENERATE_TENSOR_PARALLEL_CALL_INDEX = "generate.tensor_parallel.call_index"
 #: ``torch.distributed.get_rank()`` and ``get_world_size()``, when ``torch.distributed`` is initialized.
 GENERATE_DISTRIBUTED_RANK = "generate.distributed.rank"
