@@ -22,12 +22,14 @@ derive everything else later, off the scheduler thread:
   over): one append of ``(clock, outputs)``, and the background emitter is woken (at most one
   job pending per manager).
 * ``ContinuousBatchingManager.cancel_request`` (the caller): a cancelled request never produces
-  an output; its span ends with finish reason ``cancelled``.
+  an output; its span ends with finish reason ``cancelled`` (not an error, :mod:`otel_generate.cancellation`)
+  after the batch step running at that moment, counting the batch steps that gave it a token.
 
 Derivation, on the :class:`~otel_generate.background.BackgroundEmitter`'s thread: which batch
 steps each request took part in (``prefill`` chunks with no token, the step that produced its
 first token, then one ``decode`` per token), the requests sharing each step, the queue time,
-tokens and finish reasons; then :func:`otel_generate.emit.finish` builds the spans and records the
+tokens, finish reasons and a streaming request's time to first chunk (the first delivered output
+with generated tokens); then :func:`otel_generate.emit.finish` builds the spans and records the
 metrics. The scheduler thread never builds a span nor records a metric.
 
 A ``generate(..., cache_implementation="paged")`` call hands its rows to ``generate_batch``: the
@@ -64,7 +66,7 @@ MODULE = "transformers.generation.continuous_batching.continuous_api"
 STATE_ATTR = "_otel_generate_cb"
 #: transformers names the extra sequences of ``num_return_sequences`` ``{request_id}__child#{i}``.
 CHILD_SEPARATOR = "__child#"
-#: Finish reason of a request cancelled with ``cancel_request`` (it never produced an output).
+#: Finish reason of a request cancelled with ``cancel_request`` (the package-wide name, kept here too).
 FINISH_REASON_CANCELLED = A.FINISH_REASON_CANCELLED
 #: How long derivation waits for the batch step that delivered an output to end, seconds.
 BODY_WAIT_S = 1.0
