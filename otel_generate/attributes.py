@@ -26,7 +26,9 @@ GEN_AI_REQUEST_STREAM = "gen_ai.request.stream"
 GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
 #: The request's id (continuous batching's ``request_id``).
 GEN_AI_RESPONSE_ID = "gen_ai.response.id"
-#: Seconds from the start of the request to the streamer's first ``put`` of generated tokens.
+#: Seconds from the start of the request to the first hand-over of generated tokens to a streaming
+#: consumer: the streamer's first ``put`` of generated tokens (``generate()``), or the first delivered
+#: output with tokens of a streaming continuous-batching request.
 GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
