@@ -20,7 +20,8 @@ With one line::
     GenerateInstrumentor().instrument()
     model.generate(**inputs)          # -> one request span with one child span per step
 
-    GenerateInstrumentor().uninstrument()
+    GenerateInstrumentor().uninstrument()   # requests of other threads still in their set-up
+                                            # are waited for (at most 2 s): they complete fully
 
 Configuration
 -------------
@@ -72,8 +73,9 @@ Configuration
 
 Keyword arguments win over environment variables; an environment value that cannot be parsed
 is reported once with a warning and the default is used (see :mod:`otel_generate.options`). Suppressing instrumentation
-(``opentelemetry.instrumentation.utils.suppress_instrumentation``) or an unsampled request span
-turns all per-step work off.
+(``opentelemetry.instrumentation.utils.suppress_instrumentation``) turns all per-step work off. An
+unsampled request span builds no span but still records every metric, with exact latencies (its
+steps are timed for them), unless no meter provider collects metrics.
 """
 
 from __future__ import annotations
@@ -183,7 +185,8 @@ class GenerateInstrumentor(BaseInstrumentor):
         if options.background_emission:
             telemetry.start_emitter(patches)
         self._telemetry, self._patches = telemetry, patches
-        _lifecycle.enable(options.tracer_provider, options.meter_provider)  # pool workers flush on exit
+        # pool workers flush on exit; a forked child drops the parent's aggregations of these instruments
+        _lifecycle.enable(options.tracer_provider, options.meter_provider, telemetry.instruments.values())
 
     def _uninstrument(self, **kwargs: Any) -> None:
         telemetry, patches = getattr(self, "_telemetry", None), getattr(self, "_patches", None)
@@ -193,6 +196,8 @@ class GenerateInstrumentor(BaseInstrumentor):
             continuous_batching.end_in_flight(telemetry)  # requests in flight: ended, marked incomplete
             telemetry.stop_emitter()  # what it still holds is emitted first
             telemetry.active = False  # hooks still reachable (a bound method held somewhere) only call through
+            # requests of other threads already started keep their loops' hooks until their set-up is done
+            generate_loop.wait_for_setups(telemetry)
         if patches is not None:
             patches.restore_all()
         self._telemetry = self._patches = None

@@ -31,11 +31,32 @@ exporter's timeout. When the bound is reached, the worker goes on exiting, one w
 so, and what was still queued is lost; a ``spawn`` worker's own exit handler then finds the
 providers shut down and does not wait on the stuck exporter again.
 
+**A forked child exports only what it recorded.** A child started by ``fork`` (a
+``multiprocessing`` worker, a ``torch.utils.data.DataLoader`` worker, a pre-fork server's worker,
+a bare ``os.fork()``) inherits the parent's memory: the SDK's aggregations of this package's
+histograms and the span processors' queues. Shutting its providers down would export the parent's
+requests a second time (apache/airflow#73147, open-telemetry/opentelemetry-python#2767). So, in
+every forked child, right after the fork:
+
+* what this package's instruments aggregated is dropped (the child's own requests start new
+  series; the parent still exports its own). This reaches into the SDK's storage
+  (``_measurement_consumer._reader_storages``, ``_ViewInstrumentMatch._attributes_aggregation``):
+  no public SDK call resets an instrument; a provider without that storage (not the SDK's) is
+  left alone, and a failure is logged once. Other libraries' instruments are not touched.
+* the child has recorded nothing yet: the exit flush above runs only in a process that finished
+  at least one request of its own since it started (or since the fork). A child that generated
+  nothing (a ``DataLoader`` worker) exports nothing at exit and never waits on an exporter.
+
+The SDK's ``BatchSpanProcessor`` (and ``BatchLogRecordProcessor``) clears its inherited queue in a
+forked child itself (its own after-fork hook, opentelemetry-sdk 1.45.1); this package's
+background emitter drops the parent's jobs too (:mod:`otel_generate.background`).
+
 A process killed by a signal it does not handle (``SIGKILL``; ``SIGTERM``, which
 ``Pool.terminate()`` and leaving a ``with Pool(...)`` block send to the workers still alive)
 runs no finalizer: what it had queued is lost.
 
-The fork hook cannot be unregistered: after ``uninstrument()`` it does nothing.
+The fork hook cannot be unregistered: after ``uninstrument()`` it only drops the inherited
+aggregations of this package's instruments.
 """
 
 from __future__ import annotations
@@ -48,7 +69,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 from opentelemetry import metrics, trace
 
@@ -71,6 +92,16 @@ _hooks_installed = False  # inherited by forked children, like the hooks themsel
 _finalizer: Any = None
 _finalizer_pid: Optional[int] = None
 _warned: set = set()
+#: this package's metric instruments (as ``instrument()`` created them): what a forked child resets
+_instruments: List[Any] = []
+#: whether this process finished a request of its own (reset in a forked child)
+recorded = False
+
+
+def note_recorded() -> None:
+    """This process finished a request (:func:`otel_generate.emit.finish` calls it): its exit flush has work."""
+    global recorded
+    recorded = True
 
 
 class _AfterForkToken:
@@ -80,16 +111,21 @@ class _AfterForkToken:
 _AFTER_FORK_TOKEN = _AfterForkToken()
 
 
-def enable(tracer_provider: Any = None, meter_provider: Any = None) -> None:
+def enable(tracer_provider: Any = None, meter_provider: Any = None, instruments: Iterable[Any] = ()) -> None:
     """Turn the exit flush on (``GenerateInstrumentor.instrument()`` calls it).
 
     Args:
         tracer_provider, meter_provider: the providers given to ``instrument()``, or ``None``
             for the global ones (looked up when the flush runs).
+        instruments: this package's metric instruments, whose inherited aggregations a forked
+            child drops (kept after ``uninstrument()``: their data still sits in the SDK).
     """
     global _providers, _hooks_installed
     with _lock:
         _providers = (tracer_provider, meter_provider)
+        for instrument in instruments:
+            if not any(instrument is known for known in _instruments):
+                _instruments.append(instrument)
         if not _hooks_installed:
             if hasattr(os, "register_at_fork"):
                 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -120,9 +156,39 @@ def disable() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _lock
+    global _lock, recorded
     _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    recorded = False  # the parent's requests are the parent's to export
+    try:
+        forget_inherited_metrics(_instruments)
+    except Exception as fault:  # pragma: no cover - never break a fork
+        _warn_once(
+            ("fork reset", type(fault)), "otel_generate: dropping inherited metrics after fork failed (%s)", fault
+        )
     _arm_if_enabled()
+
+
+def forget_inherited_metrics(instruments: Iterable[Any]) -> int:
+    """Drop what ``instruments`` aggregated so far in every reader of their SDK ``MeterProvider``
+    (in a forked child: the parent's measurements). Returns how many series were dropped.
+
+    Instruments of another provider than the SDK's (the API's no-op, a proxy never set) have no
+    such storage and are skipped. The series' locks are replaced first: a parent thread may have
+    held one at the fork, and in the child nothing else runs yet.
+    """
+    dropped = 0
+    for instrument in instruments:
+        real = getattr(instrument, "_real_instrument", instrument)  # the API's proxy forwards to this
+        consumer = getattr(real, "_measurement_consumer", None)
+        storages = getattr(consumer, "_reader_storages", None)
+        if not storages:
+            continue
+        for storage in list(storages.values()):
+            for match in storage._instrument_view_instrument_matches.get(real, ()):
+                match._lock = threading.Lock()
+                dropped += len(match._attributes_aggregation)
+                match._attributes_aggregation.clear()
+    return dropped
 
 
 def _after_multiprocessing_bootstrap(_token: Any) -> None:
@@ -151,8 +217,8 @@ def _arm() -> None:
 
 def _flush_at_exit() -> None:
     providers = _providers
-    if providers is None or os.getpid() != _finalizer_pid:
-        return
+    if providers is None or os.getpid() != _finalizer_pid or not recorded:
+        return  # off, another process's finalizer, or nothing of ours to send: never wait on an exporter
     try:
         flush(*providers, reason=f"on the way out of process {os.getpid()}")
     except Exception:  # pragma: no cover - never break an exit

@@ -98,6 +98,10 @@ GENERATE_ASSISTED_ACCEPTANCE_RATE = "generate.assisted.acceptance_rate"
 GENERATE_STEPS_INCOMPLETE = "generate.steps.incomplete"
 #: Why no step was timed although the request generated: a loop the instrumentation cannot see into.
 GENERATE_STEPS_UNOBSERVED = "generate.steps.unobserved"
+#: True when ``uninstrument()`` (or the last self-instrumenting ``TokenLatencyProfiler`` closing) ran
+#: while the request was in flight and before its loop's hooks were reached: the loop ran, its steps were
+#: not timed (token counts are read off the tensors). A request whose set-up had passed is unaffected.
+GENERATE_STEPS_UNINSTRUMENTED = "generate.steps.uninstrumented"
 UNOBSERVED_CUSTOM_GENERATE = "custom_generate"  # a custom_generate loop that never calls the stopping criteria
 UNOBSERVED_MODEL_LOOP = "model_loop"  # a model's own generate() that runs no GenerationMixin loop
 #: Output tokens of inner calls whose result was not kept (Whisper fallback), included in gen_ai.usage.output_tokens.
@@ -183,6 +187,10 @@ METRIC_TIME_PER_OUTPUT_TOKEN = "gen_ai.server.time_per_output_token"
 METRIC_REQUEST_DURATION = "gen_ai.server.request.duration"
 METRIC_CLIENT_OPERATION_DURATION = "gen_ai.client.operation.duration"
 METRIC_TOKEN_USAGE = "gen_ai.client.token.usage"
+#: This package's own (the GenAI conventions define no inter-token latency metric yet; a proposal is
+#: semantic-conventions-genai#232): one observation per decode step, the step's latency divided by the
+#: tokens it produced per sequence, seconds.
+METRIC_INTER_TOKEN_LATENCY = "generate.inter_token_latency"
 
 # Explicit bucket boundaries from the GenAI metrics page (seconds, or tokens for usage).
 BUCKETS_TIME_TO_FIRST_TOKEN_S = (
@@ -221,3 +229,28 @@ BUCKETS_TIME_PER_OUTPUT_TOKEN_S = (
 BUCKETS_REQUEST_DURATION_S = tuple(round(0.01 * 2**i, 2) for i in range(14))  # 0.01 .. 81.92
 BUCKETS_OPERATION_DURATION_S = BUCKETS_REQUEST_DURATION_S  # the same boundaries on the metrics page
 BUCKETS_TOKEN_USAGE = tuple(4**i for i in range(14))  # 1 .. 67108864
+#: Per-token gaps: 1 ms to 2.5 s, fine where decode steps usually fall (a few ms to a few hundred ms on a
+#: GPU; SGLang's inter-token-latency boundaries, with 1 ms added below them).
+BUCKETS_INTER_TOKEN_LATENCY_S = (
+    0.001,
+    0.002,
+    0.004,
+    0.006,
+    0.008,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.035,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.2,
+    0.4,
+    0.6,
+    0.8,
+    1.0,
+    2.5,
+)

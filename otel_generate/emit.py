@@ -19,6 +19,7 @@ record's nanoseconds here and nowhere else.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any, Callable, Collection, Dict, Optional, Sequence
 
@@ -26,8 +27,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from otel_generate import _lifecycle, clock
 from otel_generate import attributes as A
-from otel_generate import clock
 from otel_generate._faults import error_type, log_fault_once
 from otel_generate.fast_spans import fast_eligible
 from otel_generate.record import GenerationRecord
@@ -86,6 +87,11 @@ class Telemetry:
         )
         self.emitter: Any = None
         self.slow = None
+        self._metric_probe = self.instruments.get(A.METRIC_REQUEST_DURATION)
+        #: requests still in their set-up (``generate()`` entered, the loop's hooks not all reached):
+        #: call -> thread ident; ``uninstrument()`` waits for them (bounded) before removing the hooks
+        self.setups: Dict[Any, int] = {}
+        self.setups_changed = threading.Condition(threading.Lock())
         from otel_generate.fast_spans import FastStepSpans
 
         #: builds step spans directly when that is exactly what the public API would give, else ``None``
@@ -96,6 +102,16 @@ class Telemetry:
                 self.options.slow_time_per_output_token,
                 self.options.slow_fraction,
             )
+
+    def metrics_live(self) -> bool:
+        """Whether a measurement recorded now reaches a meter provider that aggregates it (an SDK
+        ``MeterProvider``): not the API's no-op provider, nor its proxy while no provider is set.
+        Asked per request: a global provider may be set after ``instrument()``."""
+        probe = self._metric_probe
+        if probe is None:
+            return False
+        real = getattr(probe, "_real_instrument", probe)  # the API's proxy instrument forwards to this one
+        return real is not None and not isinstance(real, metrics.NoOpHistogram)
 
     def start_emitter(self, patches: Any) -> Any:
         """The background emitter (created once), with the SDK providers draining it first."""
@@ -179,6 +195,13 @@ def create_instruments(meter_provider: Any = None) -> Dict[str, Any]:
             "Input and output tokens per request.",
             A.BUCKETS_TOKEN_USAGE,
         ),
+        A.METRIC_INTER_TOKEN_LATENCY: histogram(
+            A.METRIC_INTER_TOKEN_LATENCY,
+            "s",
+            "Time between two output tokens of a sequence: each decode step's latency divided by the "
+            "tokens it produced per sequence (one observation per decode step).",
+            A.BUCKETS_INTER_TOKEN_LATENCY_S,
+        ),
     }
 
 
@@ -215,9 +238,18 @@ def start_request_span(telemetry: Telemetry, model: str, context: Any = None, st
 
 
 def finish(
-    telemetry: Telemetry, span: Any, request: Request, profilers: Sequence[Any] = (), yield_every: int = 0
+    telemetry: Telemetry,
+    span: Any,
+    request: Request,
+    profilers: Sequence[Any] = (),
+    yield_every: int = 0,
+    need_record: bool = False,
 ) -> Optional[GenerationRecord]:
     """Turn a finished request into telemetry, then end ``span``; never raises.
+
+    The metrics are recorded for every request, whether its span is sampled or not. An unsampled
+    request (``span`` not recording) with no profiler and ``need_record`` false builds no
+    attribute, no span and no record: only its metrics (and the opt-in content event).
 
     Args:
         telemetry: from ``instrument()``.
@@ -226,17 +258,22 @@ def finish(
         profilers: :class:`~otel_generate.TokenLatencyProfiler` objects to hand the record to.
         yield_every: on a background thread, yield the interpreter lock after every this many
             step spans (0: never).
+        need_record: build the record even when neither the span nor a profiler reads it
+            (``track_token_latency``).
 
     Returns:
-        The :class:`GenerationRecord` given to profilers and callers, or ``None`` when building
-        it failed (the fault is logged once; the span still ends).
+        The :class:`GenerationRecord` given to profilers and callers; ``None`` when no one reads
+        it (see above) or building it failed (the fault is logged once; the span still ends).
     """
+    _lifecycle.recorded = True  # this process has telemetry of its own to flush at exit
     record = None
-    try:
-        record = _annotate(telemetry, span, request, yield_every)
-    except Exception as fault:
-        request.incomplete = True
-        log_fault_once("request accounting", fault)
+    recording = span.is_recording()
+    if recording or profilers or need_record:
+        try:
+            record = _annotate(telemetry, span, request, yield_every)
+        except Exception as fault:
+            request.incomplete = True
+            log_fault_once("request accounting", fault)
     content = telemetry.content
     if content is not None and content.event_logger is not None:
         try:
@@ -244,18 +281,18 @@ def finish(
         except Exception as fault:
             log_fault_once("content event", fault)
     try:
-        if request.incomplete and span.is_recording():
+        if request.incomplete and recording:
             span.set_attribute(A.GENERATE_STEPS_INCOMPLETE, True)
         end = request.end_ns
         span.end(end_time=request.wall_ns(end) if end is not None else None)
     except Exception as fault:
         log_fault_once("request span end", fault)
+    if telemetry.instruments and request.metrics and (record is not None or not recording):
+        try:
+            _record_metrics(telemetry.instruments, span, request, record)
+        except Exception as fault:
+            log_fault_once("metrics", fault)
     if record is not None:
-        if telemetry.instruments and request.metrics:
-            try:
-                _record_metrics(telemetry.instruments, span, record)
-            except Exception as fault:
-                log_fault_once("metrics", fault)
         for profiler in profilers:
             try:
                 profiler._add(record)
@@ -300,7 +337,11 @@ def _annotate(telemetry: Telemetry, span: Any, request: Request, yield_every: in
                 attrs[A.GENERATE_DEVICE] = request.device
             if request.unobserved is not None:
                 attrs[A.GENERATE_STEPS_UNOBSERVED] = request.unobserved
+            elif request.uninstrumented and not latencies_ns:
+                attrs[A.GENERATE_STEPS_UNINSTRUMENTED] = True
             else:
+                if request.uninstrumented:
+                    attrs[A.GENERATE_STEPS_UNINSTRUMENTED] = True
                 attrs[A.GENERATE_STEPS] = len(latencies_ns)
                 emit_steps = _step_policy(telemetry, request, attrs, seconds(ttft_ns), seconds(tpot_ns))
                 if latencies_s:
@@ -322,7 +363,7 @@ def _annotate(telemetry: Telemetry, span: Any, request: Request, yield_every: in
             span.record_exception(request.error)
             span.set_status(Status(StatusCode.ERROR, f"{type(request.error).__name__}: {request.error}"))
         emitted = min(len(latencies_ns), telemetry.max_step_spans) if emit_steps else 0
-        if request.unobserved is None:
+        if request.unobserved is None and not (request.uninstrumented and not latencies_ns):
             attrs[A.GENERATE_STEP_SPANS_DROPPED] = len(latencies_ns) - emitted
         span.set_attributes(attrs)
         _emit_steps(telemetry, span, request, latencies_s, emitted, outliers, yield_every)
@@ -517,28 +558,55 @@ def _emit_details_event(logger: Any, span: Any, request: Request) -> None:
     logger.emit(record)
 
 
-def _record_metrics(instruments: Dict[str, Any], span: Any, record: GenerationRecord) -> None:
-    """The GenAI histograms of one request, recorded while its span is the current span."""
+def _record_metrics(
+    instruments: Dict[str, Any], span: Any, request: Request, record: Optional[GenerationRecord] = None
+) -> None:
+    """The GenAI histograms and the inter-token latency histogram of one request.
+
+    Figures come from ``record`` when it was built, else straight from ``request`` (an unsampled
+    request: no list is built). Recorded while the request span is the current span when it is
+    sampled, so exemplars point at it; an unsampled request's measurements are recorded under no
+    span at all, so no exemplar points at a trace that was not kept.
+    """
     base = {
         A.GEN_AI_OPERATION_NAME: A.OPERATION_TEXT_COMPLETION,
         A.GEN_AI_PROVIDER_NAME: A.PROVIDER_TRANSFORMERS,
-        A.GEN_AI_REQUEST_MODEL: record.model,
+        A.GEN_AI_REQUEST_MODEL: request.model,
     }
-    if record.error_type is not None:
-        base[A.ERROR_TYPE] = record.error_type
-    token = otel_context.attach(trace.set_span_in_context(span))
+    error = request.error is not None
+    if error:
+        base[A.ERROR_TYPE] = record.error_type if record is not None else error_type(request.error)
+    if record is not None:
+        duration_s: Optional[float] = record.duration_s
+        ttft_s, tpot_s = record.time_to_first_token_s, record.time_per_output_token_s
+    else:
+        duration = request.duration_ns()
+        duration_s = seconds(duration) if duration is not None else 0.0
+        if error:
+            ttft_s = tpot_s = None
+        else:
+            ttft_s = seconds(request.time_to_first_token_ns())
+            tpot_s = seconds(request.time_per_output_token_ns())
+    exemplar_span = span if span.get_span_context().trace_flags.sampled else trace.INVALID_SPAN
+    token = otel_context.attach(trace.set_span_in_context(exemplar_span))
     try:
-        instruments[A.METRIC_REQUEST_DURATION].record(record.duration_s, base)
-        instruments[A.METRIC_CLIENT_OPERATION_DURATION].record(record.duration_s, base)
-        # defined for successful responses only (GenAI metrics page)
-        if record.error_type is None and record.time_to_first_token_s is not None:
-            instruments[A.METRIC_TIME_TO_FIRST_TOKEN].record(record.time_to_first_token_s, base)
-        if record.error_type is None and record.time_per_output_token_s is not None:
-            instruments[A.METRIC_TIME_PER_OUTPUT_TOKEN].record(record.time_per_output_token_s, base)
+        instruments[A.METRIC_REQUEST_DURATION].record(duration_s, base)
+        instruments[A.METRIC_CLIENT_OPERATION_DURATION].record(duration_s, base)
+        # defined for successful responses only (GenAI metrics page); the inter-token latency alike
+        if not error:
+            if ttft_s is not None:
+                instruments[A.METRIC_TIME_TO_FIRST_TOKEN].record(ttft_s, base)
+            if tpot_s is not None:
+                instruments[A.METRIC_TIME_PER_OUTPUT_TOKEN].record(tpot_s, base)
+                itl = instruments.get(A.METRIC_INTER_TOKEN_LATENCY)
+                if itl is not None:
+                    record_itl = itl.record
+                    for gap_ns in request.inter_token_latencies_ns():
+                        record_itl(gap_ns / clock.NS_PER_S, base)
         usage = instruments[A.METRIC_TOKEN_USAGE]
-        if record.input_tokens is not None:
-            usage.record(record.input_tokens, {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_INPUT})
-        if record.output_tokens is not None:
-            usage.record(record.output_tokens, {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_OUTPUT})
+        if request.input_tokens is not None:
+            usage.record(request.input_tokens, {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_INPUT})
+        if request.output_tokens is not None:
+            usage.record(request.output_tokens, {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_OUTPUT})
     finally:
         otel_context.detach(token)

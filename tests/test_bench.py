@@ -828,6 +828,20 @@ def test_step_spans_and_background_emission_are_passed_to_the_instrumented_runs(
     assert "--step-spans applies to the instrumented runs of --compare" in capsys.readouterr().err
 
 
+def test_sampler_always_off_times_unsampled_requests(capsys):
+    """--sampler always_off (issue 17): every instrumented request unsampled, no span exported, its
+    metrics still recorded (exported_metric_bytes: the OTLP metric requests hold the latency histograms)."""
+    argv = ["--new-tokens", "4", "--runs", "2", "--warmup", "0", "--compare", "--sampler", "always_off"]
+    assert run_cli(*argv, "--exporter", "otlp-encode", "--output", "-") == 0
+    cmp = json.loads(capsys.readouterr().out)["compare"]
+    assert cmp["sampler"] == "always_off" and "sampler=ALWAYS_OFF" in cmp["instrumented"]
+    assert cmp["spans_exported"] == cmp["spans_expected"] == 0
+    assert cmp["exported_bytes"] == 0 and cmp["exported_metric_bytes"] > 0
+    assert cmp["outputs_identical"] is True
+    assert run_cli("--sampler", "always_off") == 2  # without --compare
+    assert "--sampler applies to the instrumented runs of --compare" in capsys.readouterr().err
+
+
 def test_compare_refuses_when_generate_is_already_instrumented(instrumented, tmp_path, capsys):
     out = tmp_path / "out.json"
     assert run_cli("--compare", "--output", str(out)) == 2

@@ -380,29 +380,44 @@ def test_paged_generate_is_one_complete_request_span(instrumented, tracer_provid
 # --- off means off, faults -----------------------------------------------------------------------------
 
 
-def test_unsampled_requests_do_no_per_step_work(span_exporter, meter_provider, metric_reader, llama, monkeypatch):
+@pytest.mark.parametrize("metrics_on", [True, False], ids=["sdk-meter-provider", "no-meter-provider"])
+def test_unsampled_requests_time_steps_only_for_the_metrics(
+    metrics_on, span_exporter, meter_provider, metric_reader, llama, monkeypatch
+):
+    """Unsampled requests get no span; with an SDK meter provider their steps are still logged, for
+    the latency histograms (every request, sampled or not: issue 17); without one, nothing per step."""
     logged = []
     original = CB._log_step
     monkeypatch.setattr(CB, "_log_step", lambda *a, **k: (logged.append(1), original(*a, **k)))
     provider = TracerProvider(sampler=ALWAYS_OFF)
     provider.add_span_processor(SimpleSpanProcessor(span_exporter))
     instrumentor = GenerateInstrumentor()
-    instrumentor.instrument(tracer_provider=provider, meter_provider=meter_provider)
+    instrumentor.instrument(tracer_provider=provider, **({"meter_provider": meter_provider} if metrics_on else {}))
     try:
         outputs = llama.generate_batch(
             inputs=PROMPTS, generation_config=greedy(), continuous_batching_config=small_config()
         )
         provider.force_flush()
+        instrumentor._telemetry.emitter.drain()
     finally:
         instrumentor.uninstrument()
     assert span_exporter.get_finished_spans() == ()
-    assert logged == []  # the scheduler thread never logged a batch step
     points = histograms(metric_reader)
-    assert sum(p.count for p in points[A.METRIC_REQUEST_DURATION]) == 2  # request-level metrics still recorded
-    assert sum(p.sum for p in by_token_type(points[A.METRIC_TOKEN_USAGE], "output")) == sum(
-        len(o.generated_tokens) for o in outputs.values()
-    )
-    assert A.METRIC_TIME_TO_FIRST_TOKEN not in points  # no step was timed
+    if not metrics_on:
+        assert logged == []  # the scheduler thread never logged a batch step
+        assert points == {}
+        return
+    assert logged  # batch steps logged while the two requests ran
+    generated = [len(o.generated_tokens) for o in outputs.values()]
+    assert sum(p.count for p in points[A.METRIC_REQUEST_DURATION]) == 2
+    assert sum(p.sum for p in by_token_type(points[A.METRIC_TOKEN_USAGE], "output")) == sum(generated)
+    (ttft,) = points[A.METRIC_TIME_TO_FIRST_TOKEN]
+    (tpot,) = points[A.METRIC_TIME_PER_OUTPUT_TOKEN]
+    (itl,) = points[A.METRIC_INTER_TOKEN_LATENCY]
+    (duration,) = points[A.METRIC_REQUEST_DURATION]
+    assert ttft.count == 2 and tpot.count == 2 and 0 < ttft.sum < duration.sum
+    assert itl.count == sum(n - 1 for n in generated)
+    assert not any(p.exemplars for values in points.values() for p in values)
 
 
 def test_unsampled_request_next_to_a_sampled_one(span_exporter, meter_provider, llama, monkeypatch):
@@ -412,7 +427,7 @@ def test_unsampled_request_next_to_a_sampled_one(span_exporter, meter_provider, 
     provider = TracerProvider(sampler=ParentBased(ALWAYS_OFF))
     provider.add_span_processor(SimpleSpanProcessor(span_exporter))
     instrumentor = GenerateInstrumentor()
-    instrumentor.instrument(tracer_provider=provider, meter_provider=meter_provider)
+    instrumentor.instrument(tracer_provider=provider)  # no meter provider: no metric needs the steps
     sampled = trace.set_span_in_context(NonRecordingSpan(SpanContext(1, 2, True, TraceFlags(TraceFlags.SAMPLED))))
     unsampled = trace.set_span_in_context(NonRecordingSpan(SpanContext(3, 4, True, TraceFlags(TraceFlags.DEFAULT))))
     manager = llama.init_continuous_batching(generation_config=greedy(), continuous_batching_config=small_config())

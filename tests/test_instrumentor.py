@@ -496,6 +496,45 @@ def test_not_sampled_does_no_step_work(span_exporter, count_recorders, gpt2):
     assert span_exporter.get_finished_spans() == ()
 
 
+def test_not_sampled_times_steps_for_the_metrics_only(span_exporter, count_recorders, gpt2, monkeypatch):
+    """With a meter provider, an unsampled request runs the step hook (its latencies feed the
+    histograms) but builds nothing else: no span, no attributes, no record (issue 17)."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from otel_generate import emit
+
+    annotated = []
+    monkeypatch.setattr(emit, "_annotate", lambda *a, **k: annotated.append(1))
+    reader = InMemoryMetricReader()
+    provider = TracerProvider(sampler=ALWAYS_OFF)
+    provider.add_span_processor(SimpleSpanProcessor(span_exporter))
+    instrumentor = GenerateInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, meter_provider=MeterProvider(metric_readers=[reader]))
+    try:
+        ids, mask = prompt()
+        gpt2.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=None)
+    finally:
+        instrumentor.uninstrument()
+    assert count_recorders == {"init": 1, "call": 4}
+    assert span_exporter.get_finished_spans() == ()
+    assert annotated == []
+    names = {
+        metric.name: metric.data.data_points[0].count
+        for rm in reader.get_metrics_data().resource_metrics
+        for sm in rm.scope_metrics
+        for metric in sm.metrics
+        if metric.name != A.METRIC_TOKEN_USAGE
+    }
+    assert names == {
+        A.METRIC_REQUEST_DURATION: 1,
+        A.METRIC_CLIENT_OPERATION_DURATION: 1,
+        A.METRIC_TIME_TO_FIRST_TOKEN: 1,
+        A.METRIC_TIME_PER_OUTPUT_TOKEN: 1,
+        A.METRIC_INTER_TOKEN_LATENCY: 3,
+    }
+
+
 def test_suppressed_does_no_step_work(instrumented, span_exporter, count_recorders, gpt2):
     ids, mask = prompt()
     with suppress_instrumentation():

@@ -66,6 +66,99 @@ def test_twenty_requests_of_eight_tokens(instrumented, metric_reader, gpt2):
         assert A.ERROR_TYPE not in point.attributes
 
 
+@pytest.mark.parametrize("sampler_name", ["parentbased_always_off", "traceidratio_0.1"])
+def test_every_request_is_in_every_histogram_whatever_the_sampler(
+    sampler_name, span_exporter, meter_provider, metric_reader, gpt2
+):
+    """Issue 17, item 1: ten generate() calls of 8 new tokens under a sampler that keeps none or
+    about one of them: each latency histogram counts 10, the inter-token latency 70, and only a
+    sampled request span is an exemplar."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
+
+    sampler = ParentBased(ALWAYS_OFF) if sampler_name == "parentbased_always_off" else TraceIdRatioBased(0.1)
+    provider = TracerProvider(sampler=sampler)
+    provider.add_span_processor(SimpleSpanProcessor(span_exporter))
+    instrumentor = GenerateInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, meter_provider=meter_provider)
+    try:
+        ids, mask = prompt(length=4)
+        for _ in range(10):
+            out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
+            assert out.shape[-1] - 4 == 8
+    finally:
+        instrumentor.uninstrument()
+    found = histograms(metric_reader)
+    (ttft,) = found[A.METRIC_TIME_TO_FIRST_TOKEN]
+    (tpot,) = found[A.METRIC_TIME_PER_OUTPUT_TOKEN]
+    (duration,) = found[A.METRIC_REQUEST_DURATION]
+    (operation,) = found[A.METRIC_CLIENT_OPERATION_DURATION]
+    (itl,) = found[A.METRIC_INTER_TOKEN_LATENCY]
+    assert (ttft.count, tpot.count, duration.count, operation.count) == (10, 10, 10, 10)
+    assert itl.count == 70  # 7 decode steps after the first token, per request
+    assert 0 < ttft.sum / 10 < duration.sum / 10
+    # time per output token = (last step end - first token) / 7 = the mean of the request's 7 gaps
+    assert itl.sum == pytest.approx(7 * tpot.sum, rel=1e-9)
+    assert 0 < tpot.sum < duration.sum
+    (output,) = by_token_type(found[A.METRIC_TOKEN_USAGE], A.TOKEN_TYPE_OUTPUT)
+    (inputs,) = by_token_type(found[A.METRIC_TOKEN_USAGE], A.TOKEN_TYPE_INPUT)
+    assert (output.count, output.sum, inputs.count, inputs.sum) == (10, 80, 10, 40)
+    sampled = {span.context.trace_id for span in request_spans(span_exporter)}
+    if sampler_name == "parentbased_always_off":
+        assert sampled == set()
+    exemplar_traces = {
+        exemplar.trace_id
+        for points in found.values()
+        for point in points
+        for exemplar in point.exemplars
+        if exemplar.trace_id is not None
+    }
+    assert exemplar_traces <= sampled  # exemplars only where a sampled span exists
+
+
+def test_sampled_requests_exemplars_point_at_their_span(instrumented, span_exporter, metric_reader, gpt2):
+    ids, mask = prompt(length=4)
+    gpt2.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
+    (span,) = request_spans(span_exporter)
+    found = histograms(metric_reader)
+    for name in (A.METRIC_TIME_TO_FIRST_TOKEN, A.METRIC_INTER_TOKEN_LATENCY):
+        (point,) = found[name]
+        assert point.exemplars and {e.span_id for e in point.exemplars} == {span.context.span_id}, name
+
+
+def test_inter_token_latency_is_one_gap_per_decode_step(instrumented, span_exporter, metric_reader, gpt2):
+    """Issue 17, item 2: one single-row request of 8 new tokens gives 7 observations, the latencies
+    of its 7 decode step spans."""
+    ids, mask = prompt(length=4)
+    out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
+    assert out.shape[-1] - 4 == 8
+    decode = [s.attributes[A.GENERATE_STEP_LATENCY] for s in step_spans(span_exporter) if s.name == "decode"]
+    assert len(decode) == 7
+    (itl,) = histograms(metric_reader)[A.METRIC_INTER_TOKEN_LATENCY]
+    assert itl.count == 7
+    assert itl.sum == pytest.approx(sum(decode), rel=1e-6)
+    assert itl.min == pytest.approx(min(decode), rel=1e-6) and itl.max == pytest.approx(max(decode), rel=1e-6)
+    assert list(itl.explicit_bounds) == list(A.BUCKETS_INTER_TOKEN_LATENCY_S)
+    assert itl.attributes == {
+        A.GEN_AI_OPERATION_NAME: "text_completion",
+        A.GEN_AI_PROVIDER_NAME: "transformers",
+        A.GEN_AI_REQUEST_MODEL: type(gpt2).__name__,
+    }
+
+
+def test_inter_token_latency_divides_a_step_by_its_tokens():
+    """A step that produced 3 tokens per sequence (assisted decoding) is one gap of a third of its
+    latency; a prompt step of a later inner call and a step with no token give none."""
+    from otel_generate.request import InnerCall, Request
+
+    request = Request(model="m", start_ns=0, start_wall_ns=0)
+    request.step_ends_ns = [10, 16, 25, 40, 44, 50]
+    request.step_tokens = [1, 1, 3, 1, 0, 2]
+    request.calls = [InnerCall(start_ns=0, first_step=0, steps=3), InnerCall(start_ns=25, first_step=3, steps=3)]
+    assert list(request.inter_token_latencies_ns()) == [6, 3, 3]
+
+
 def test_bucket_boundaries_are_the_semconv_ones(instrumented, metric_reader, gpt2):
     ids, mask = prompt()
     gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None)
@@ -164,6 +257,7 @@ def test_unit_and_instrument_names(instrumented, metric_reader, gpt2):
         A.METRIC_REQUEST_DURATION: "s",
         A.METRIC_CLIENT_OPERATION_DURATION: "s",
         A.METRIC_TOKEN_USAGE: "{token}",
+        A.METRIC_INTER_TOKEN_LATENCY: "s",
     }
 
 

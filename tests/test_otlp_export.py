@@ -219,6 +219,7 @@ CONDITIONAL = {
     A.GEN_AI_INPUT_MESSAGES,
     A.GEN_AI_OUTPUT_MESSAGES,
     A.GENERATE_STEPS_UNOBSERVED,
+    A.GENERATE_STEPS_UNINSTRUMENTED,  # uninstrument() during the request (tests/test_uninstrument_race.py)
     A.GENERATE_TIME_IN_QUEUE,
     A.GENERATE_ASSISTED_GENERATOR,
     A.GENERATE_ASSISTED_PROPOSED,
@@ -470,6 +471,7 @@ def test_round_trip_metrics(exported):
         A.METRIC_REQUEST_DURATION: ("s", A.BUCKETS_REQUEST_DURATION_S),
         A.METRIC_CLIENT_OPERATION_DURATION: ("s", A.BUCKETS_OPERATION_DURATION_S),
         A.METRIC_TOKEN_USAGE: ("{token}", A.BUCKETS_TOKEN_USAGE),
+        A.METRIC_INTER_TOKEN_LATENCY: ("s", A.BUCKETS_INTER_TOKEN_LATENCY_S),
     }
     assert set(ours) == set(expected)
     base = {
@@ -497,6 +499,11 @@ def test_round_trip_metrics(exported):
     tpot = points[(A.METRIC_TIME_PER_OUTPUT_TOKEN, None)]
     assert tpot.count == 1
     assert tpot.sum == pytest.approx(span_values[A.GENERATE_TIME_PER_OUTPUT_TOKEN], rel=1e-9)
+    # one gap per decode step: the latencies of the decode step spans
+    decode = [attributes(span.attributes)[A.GENERATE_STEP_LATENCY][1] for _, _, span in by_name[A.STEP_SPAN_DECODE]]
+    itl = points[(A.METRIC_INTER_TOKEN_LATENCY, None)]
+    assert itl.count == len(decode) == len(out["continuation"]) - 1
+    assert itl.sum == pytest.approx(sum(decode), rel=1e-6)
     duration = points[(A.METRIC_REQUEST_DURATION, None)]
     assert duration.count == 1
     # measured from where step 0 starts (generation start) to the request span's end

@@ -12,7 +12,8 @@
   requests shows.
 * In process, without ``opentelemetry-instrument``: the providers passed to ``instrument()``
   (not the global ones) are flushed by a forked worker, spans and metrics; after
-  ``uninstrument()`` a forked worker flushes nothing; instrumenting again turns it back on.
+  ``uninstrument()`` a forked worker flushes nothing; instrumenting again turns it back on for a
+  worker that generated, while a worker that generated nothing sends nothing (``tests/test_fork.py``).
 """
 
 from __future__ import annotations
@@ -353,17 +354,25 @@ def test_forked_workers_flush_the_providers_given_to_instrument_until_uninstrume
     pool.join()
     assert [span for span in _lines(spans_path) if span["name"] == "after uninstrument"] == []
 
-    # instrumenting again turns it back on
+    # instrumenting again turns it back on, for a worker that generated (issue 17: a forked child
+    # that recorded no request of its own sends nothing at exit, not even its own spans)
     instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
     try:
         pool = _fork_pool()
-        (loud_pid,) = pool.map(_worker_span, ["instrumented again"])
+        (idle_pid,) = pool.map(_worker_span, ["instrumented again, no request"])
+        pool.close()
+        pool.join()
+        pool = _fork_pool()
+        ((loud_pid, _),) = pool.map(_worker_generate, [3])
         pool.close()
         pool.join()
     finally:
         instrumentor.uninstrument()
-    assert [span["pid"] for span in _lines(spans_path) if span["name"] == "instrumented again"] == [loud_pid]
-    assert quiet_pid != loud_pid
+    assert [span for span in _lines(spans_path) if span["pid"] == idle_pid] == []
+    assert [span["pid"] for span in _lines(spans_path) if span["name"].startswith("text_completion ")].count(
+        loud_pid
+    ) == 1
+    assert len({quiet_pid, idle_pid, loud_pid}) == 3
     tracer_provider.shutdown()
     meter_provider.shutdown()
     _INHERITED.clear()

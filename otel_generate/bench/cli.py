@@ -138,6 +138,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "flush after each instrumented call (outside its timer) waits for them and is charged to it",
     )
     parser.add_argument(
+        "--sampler",
+        choices=harness.SAMPLERS,
+        default="always_on",
+        help="--compare: the instrumented side's trace sampler; always_off makes every request unsampled "
+        "(no span; its metrics are still recorded), to time what an unsampled request costs (default always_on)",
+    )
+    parser.add_argument(
         "--continuous-batching",
         action="store_true",
         help="time transformers' continuous batching instead: waves of --requests requests on one "
@@ -174,6 +181,7 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> Benc
         max_step_spans=args.max_step_spans,
         step_spans=args.step_spans,
         background_emission=args.background_emission,
+        sampler=args.sampler,
         continuous_batching=args.continuous_batching,
         requests=args.requests,
         argv=list(argv),

@@ -99,6 +99,8 @@ MEASURED_RUNS = (
 
 #: ``--step-spans``: the instrumentation's step-span policies (otel_generate.options).
 STEP_SPAN_POLICIES = ("all", "none", "slow")
+#: --sampler: the instrumented side's TracerProvider sampler (always_off: every request unsampled)
+SAMPLERS = ("always_on", "always_off")
 
 
 class BenchUsageError(ValueError):
@@ -133,6 +135,7 @@ class BenchConfig:
     max_step_spans: Optional[int] = None  # --compare: instrument(max_step_spans=N); None: the instrumentation's default
     step_spans: Optional[str] = None  # --compare: instrument(step_spans=...); None: the instrumentation's default
     background_emission: bool = False  # --compare: instrument(background_emission=True)
+    sampler: str = "always_on"  # --compare: the TracerProvider's sampler, one of SAMPLERS
     continuous_batching: bool = False  # the continuous-batching workload (otel_generate.bench.continuous)
     requests: Optional[int] = None  # --continuous-batching: requests per run (None: the default, 16)
     argv: List[str] = field(default_factory=list)
@@ -206,6 +209,10 @@ class BenchConfig:
                 raise BenchUsageError(
                     "--background-emission applies to the instrumented runs of --compare; add --compare"
                 )
+            if self.sampler != "always_on":
+                raise BenchUsageError("--sampler applies to the instrumented runs of --compare; add --compare")
+        if self.sampler not in SAMPLERS:
+            raise BenchUsageError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         if self.step_spans is not None and self.step_spans not in STEP_SPAN_POLICIES:
             raise BenchUsageError(
                 f"--step-spans must be one of {', '.join(STEP_SPAN_POLICIES)}, got {self.step_spans!r}"
@@ -818,6 +825,7 @@ class InstrumentedSide:
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON
 
         from otel_generate import GenerateInstrumentor
         from otel_generate.options import DEFAULT_MAX_STEP_SPANS, ENV_MAX_STEP_SPANS, env_int
@@ -826,7 +834,8 @@ class InstrumentedSide:
         self.clock = clock
         self.instrumentor = GenerateInstrumentor()
         self.exporter, self.metric_reader = make_exporters(config.exporter)
-        self.tracer_provider = TracerProvider()
+        self.sampler = config.sampler
+        self.tracer_provider = TracerProvider(sampler=ALWAYS_OFF if config.sampler == "always_off" else ALWAYS_ON)
         queue = {} if max_queue_size is None else {"max_queue_size": max_queue_size}
         self.tracer_provider.add_span_processor(BatchSpanProcessor(self.exporter, **queue))
         self.meter_provider = MeterProvider(metric_readers=[self.metric_reader])
@@ -860,6 +869,7 @@ class InstrumentedSide:
             + (f", step_spans={config.step_spans!r}" if config.step_spans is not None else "")
             + (", background_emission=True" if config.background_emission else "")
             + ")"
+            + (", sampler=ALWAYS_OFF: every request unsampled" if config.sampler == "always_off" else "")
         )
 
     def run(self, timed: Callable[[], Any]) -> Tuple[Any, float, float]:
@@ -888,7 +898,10 @@ class InstrumentedSide:
     def spans_expected(self, tokens_per_request: Sequence[int]) -> Optional[int]:
         """Spans the requests should export: each a request span and one span per step (at most
         ``max_step_spans``; one prefill step, then one per further token), unless the step-span
-        policy emits none (``none``) or only some (``slow``: not predictable, ``None``)."""
+        policy emits none (``none``) or only some (``slow``: not predictable, ``None``); none at all
+        when the sampler keeps no trace (``always_off``)."""
+        if self.sampler == "always_off":
+            return 0
         if self.policy == "all":
             return sum(1 + min(n, self.max_step_spans) for n in tokens_per_request)
         if self.policy == "none":
@@ -1029,6 +1042,7 @@ def compare(runner: _Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str,
             "spans_exported_after_each_flush": exported_after,
             "max_step_spans": side.max_step_spans,
             "step_spans": side.policy,
+            "sampler": side.sampler,
             "spans_expected": side.spans_expected(steps),
             "exported_bytes": exported_bytes,
             "exported_metric_bytes": metric_bytes,

@@ -815,7 +815,8 @@ def make_add_request(original: Callable, telemetry: emit.Telemetry) -> Callable:
                     telemetry, state.model_name, context=context, start_time=start_wall_ns
                 )
                 record.profilers = tuple(telemetry.profilers())
-                record.timed = record.span.is_recording() or bool(record.profilers)
+                # steps for the span, a profiler, or the latency metrics (every request, sampled or not)
+                record.timed = record.span.is_recording() or bool(record.profilers) or telemetry.metrics_live()
             state.register(record)
         except Exception as fault:
             state.abandon_submission()

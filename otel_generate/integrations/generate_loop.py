@@ -31,6 +31,7 @@ import contextvars
 import functools
 import inspect
 import logging
+import threading
 from typing import Any, Callable, Dict, List, Optional
 
 import wrapt
@@ -79,6 +80,10 @@ _HUB_MODES = (
     A.STRATEGY_CONSTRAINED_BEAM_SEARCH,
     A.STRATEGY_DOLA,
 )
+
+#: ``uninstrument()`` waits at most this long (seconds) for other threads' requests still in their
+#: set-up (their loop's hooks not reached yet) before it removes the hooks.
+UNINSTRUMENT_SETUP_WAIT_S = 2.0
 
 #: Keywords this package adds to ``generate()``; they never reach transformers.
 CALLBACK_KWARG = "per_token_latency_callback"
@@ -213,9 +218,13 @@ class Call:
 
         self.span = emit.start_request_span(telemetry, self.name)
         try:
-            # Per-step work only when someone will read it: a recorded span, a profiler, a callback,
-            # or track_token_latency. Otherwise generate() runs exactly as uninstrumented.
-            self.timed = self.span.is_recording() or bool(self.profilers) or self.callback is not None or self.track
+            # The full record (memory, cache size, streamer timing, ...) only when someone reads it: a
+            # recorded span, a profiler, a callback, or track_token_latency.
+            self.detailed = self.span.is_recording() or bool(self.profilers) or self.callback is not None or self.track
+            # Steps are timed for those, and for the latency metrics, which are recorded for every
+            # request, sampled or not, whenever a meter provider collects them. Otherwise generate()
+            # runs exactly as uninstrumented.
+            self.timed = self.detailed or telemetry.metrics_live()
             synchronized = bool(telemetry.synchronize)
             device = None
             if self.timed:
@@ -231,7 +240,7 @@ class Call:
                 model=self.name, start_ns=0, start_wall_ns=0, timed=self.timed, synchronized=synchronized, device=device
             )
             self.memory_device = (
-                figures.cuda_device(device) if self.timed and telemetry.options.measure_memory else None
+                figures.cuda_device(device) if self.detailed and telemetry.options.measure_memory else None
             )
             self._synchronize()
             self._memory(figures.reset_peak_memory)
@@ -246,7 +255,7 @@ class Call:
         streamer = kwargs.get("streamer")
         if streamer is not None:
             self.request.parameters[A.GEN_AI_REQUEST_STREAM] = True
-            if self.timed:
+            if self.detailed:
                 self.streamer = kwargs["streamer"] = _TimedStreamer(streamer)
         self._context_token = otel_context.attach(trace.set_span_in_context(self.span))
 
@@ -326,6 +335,7 @@ class Call:
         request = self.request
         cancelled = cancellation.is_cancellation(exc)  # a departed client: not an error
         request.error = None if cancelled else exc
+        setup_done(self)
         try:
             self._synchronize()
             request.end_ns = clock.monotonic_ns()
@@ -347,7 +357,7 @@ class Call:
                 except Exception:  # the clock itself is gone (already logged): let the SDK stamp the end
                     request.incomplete = True
         if self.track:  # track_token_latency needs the record now
-            record, deferred = emit.finish(self.telemetry, self.span, request, self.profilers), False
+            record, deferred = emit.finish(self.telemetry, self.span, request, self.profilers, need_record=True), False
         else:
             record, deferred = self.telemetry.emit(self.span, request, self.profilers)
         if record is not None and self.track and result is not None:
@@ -387,6 +397,9 @@ class Call:
         loops = [loop for loop in self.loops if loop.observed()]
         if self.custom_generate is not None:
             params[A.GENERATE_CUSTOM_GENERATE] = self.custom_generate
+        if not self.telemetry.active and (not loops or self.custom_generate is not None or len(self.loops) > 1):
+            # uninstrument() ran during the request: a loop it started afterwards went unseen
+            request.uninstrumented = exc is None
         if not loops:
             self._account_unobserved(result, exc)
             return loops
@@ -435,6 +448,8 @@ class Call:
             request.queue_ns = first.queue_ns
             if self.timed and exc is None and first.incomplete:
                 request.incomplete = True
+            if first.uninstrumented:
+                request.uninstrumented = True
             return loops
 
         # several loops: one grouping span each, tokens summed, Whisper's kept decisions applied
@@ -479,6 +494,8 @@ class Call:
             index += len(loop.step_ends_ns)
             if self.timed and exc is None and loop.incomplete:
                 request.incomplete = True
+            if loop.uninstrumented:
+                request.uninstrumented = True
         if counted:
             request.output_tokens = total
             if any(loop.whisper is not None for loop in loops):
@@ -493,7 +510,7 @@ class Call:
         """No decoding loop could be seen (a ``custom_generate`` or a model's own loop): count the
         tokens from the call's token input and its output, and say why there are no steps."""
         request = self.request
-        if exc is None:
+        if exc is None and not request.uninstrumented:
             request.unobserved = (
                 A.UNOBSERVED_CUSTOM_GENERATE if self.custom_generate is not None else A.UNOBSERVED_MODEL_LOOP
             )
@@ -572,6 +589,7 @@ class Loop:
         self.finish_reasons: Optional[List[str]] = None
         self.unobserved: Optional[str] = None
         self.incomplete = False
+        self.uninstrumented = False  # uninstrument() ran before this loop's hooks were all reached
         # the temperature of this attempt, read now: Whisper changes the same config for the next one
         config = kwargs.get("generation_config")
         self.temperature: Optional[float] = None
@@ -625,6 +643,14 @@ class Loop:
         self.criteria = RecordingCriteriaList(criteria, self.recorder)
         return self.criteria
 
+    def _missed_hook(self) -> None:
+        """A hook of this loop never ran: a fault (``incomplete``), or ``uninstrument()`` removed the
+        hooks while the request was being set up (``uninstrumented``: the loop itself ran normally)."""
+        if self.call.telemetry.active:
+            self.incomplete = True
+        else:
+            self.uninstrumented = True
+
     def strategy(self) -> Optional[str]:
         if self.generation_config is None:
             return None
@@ -647,7 +673,7 @@ class Loop:
     def size_cache(self, result: Any = None) -> None:
         """``kv_cache_bytes`` from the cache object the loop built (or, with transformers 4.x's legacy
         tuples, the ``past_key_values`` of its output), once; then the cache is let go."""
-        if self.cache is None and self.call.timed:
+        if self.cache is None and self.call.detailed:
             self.cache = getattr(result, "past_key_values", None)
         if self.cache is not None:
             try:
@@ -689,9 +715,9 @@ class Loop:
             if not times and exc is None and self.kwargs.get("custom_generate") is not None:
                 self.unobserved = A.UNOBSERVED_CUSTOM_GENERATE  # the custom loop never called the criteria
         elif call.timed and exc is None:
-            self.incomplete = True  # the stopping-criteria hook was never reached
+            self._missed_hook()  # the stopping-criteria hook was never reached
         if call.timed and exc is None and prompt_length is None:
-            self.incomplete = True  # the prompt width was never learned: no token accounting
+            self._missed_hook()  # the prompt width was never learned: no token accounting
         self.step_ends_ns = times
         self.step_tokens = step_tokens(lengths, prompt_length if prompt_length is not None else 0)
 
@@ -903,6 +929,8 @@ def run_request(
         ranks.apply(placement, call.request)
     # the user's GenerationMixin.generate is the request's loop: it starts when the request does
     frame = call.open_loop(model, kwargs, start_ns=call.request.start_ns) if loop else call
+    if loop:
+        setup_started(call)  # until its stopping criteria exist, uninstrument() waits for it
     token = _ACTIVE.set(frame)
     try:
         result = original(*call_args, **kwargs)
@@ -916,6 +944,40 @@ def run_request(
     if loop:
         frame.close(result, read_clock=False)
     return call.finish(result=result)
+
+
+def setup_started(call: Call) -> None:
+    """``call`` needs its loop's hooks: ``uninstrument()`` waits for :func:`setup_done` (bounded)."""
+    telemetry = call.telemetry
+    with telemetry.setups_changed:
+        telemetry.setups[call] = threading.get_ident()
+
+
+def setup_done(call: Call) -> None:
+    """``call``'s loop reached its last set-up hook (the stopping criteria), or the call ended."""
+    telemetry = call.telemetry
+    if call not in telemetry.setups:
+        return
+    with telemetry.setups_changed:
+        if telemetry.setups.pop(call, None) is not None:
+            telemetry.setups_changed.notify_all()
+
+
+def wait_for_setups(telemetry: emit.Telemetry, timeout_s: Optional[float] = None) -> bool:
+    """Wait until no other thread's request is in its set-up, at most ``timeout_s`` seconds
+    (default :data:`UNINSTRUMENT_SETUP_WAIT_S`); ``uninstrument()`` calls it after turning the
+    instrumentation off for new requests and before removing the hooks, so that a request already
+    started gets its loop's hooks. The calling thread's own requests are not waited for.
+
+    Returns:
+        True when none is left (one that is left carries ``generate.steps.uninstrumented``).
+    """
+    me = threading.get_ident()
+    bound = UNINSTRUMENT_SETUP_WAIT_S if timeout_s is None else timeout_s
+    with telemetry.setups_changed:
+        return telemetry.setups_changed.wait_for(
+            lambda: all(thread == me for thread in telemetry.setups.values()), timeout=bound
+        )
 
 
 def run_nested(original: Callable, model: Any, args: tuple, kwargs: dict) -> Any:
@@ -982,14 +1044,24 @@ def _method_signature(function: Any) -> inspect.Signature:
     return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
-def loop_for(model: Any) -> Optional[Loop]:
-    """The loop a GenerationMixin helper called on ``model`` now records into, or ``None``."""
+def loop_for(model: Any, telemetry: Optional[emit.Telemetry] = None) -> Optional[Loop]:
+    """The loop a GenerationMixin helper called on ``model`` now records into, or ``None``.
+
+    With ``telemetry``: only a loop of a request that this instrumentation started (while it was
+    on: a request in flight when ``uninstrument()`` ran still gets its hooks; a new one has none).
+    """
     frame = _ACTIVE.get()
     if isinstance(frame, Loop):
-        return frame if frame.model is model else None
-    if isinstance(frame, Call) and frame.owns(model):
+        loop = frame if frame.model is model else None
+    elif isinstance(frame, Call) and frame.owns(model):
+        if telemetry is not None and frame.telemetry is not telemetry:
+            return None
         return frame.implicit_loop(model)
-    return None
+    else:
+        return None
+    if loop is not None and telemetry is not None and loop.call.telemetry is not telemetry:
+        return None
+    return loop
 
 
 def make_prepare_generated_length(original: Callable, telemetry: emit.Telemetry) -> Callable:
@@ -999,7 +1071,7 @@ def make_prepare_generated_length(original: Callable, telemetry: emit.Telemetry)
     @functools.wraps(original)
     def _prepare_generated_length(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        loop = loop_for(self) if telemetry.active else None
+        loop = loop_for(self, telemetry)
         if loop is not None:
             try:
                 # by name, whether generate() (keywords) or an overriding model (positional) called it
@@ -1020,8 +1092,11 @@ def make_get_stopping_criteria(original: Callable, telemetry: emit.Telemetry) ->
     @functools.wraps(original)
     def _get_stopping_criteria(self, *args, **kwargs):
         criteria = original(self, *args, **kwargs)
-        loop = loop_for(self) if telemetry.active else None
-        if loop is not None and loop.call.timed and loop.recorder is None:
+        loop = loop_for(self, telemetry)
+        if loop is None:
+            return criteria
+        setup_done(loop.call)  # the loop's last set-up hook: uninstrument() need not wait any longer
+        if loop.call.timed and loop.recorder is None:
             try:
                 config = kwargs.get("generation_config", args[0] if args else None)
                 return loop.recording_criteria(criteria, config)
@@ -1040,9 +1115,9 @@ def make_get_candidate_generator(original: Callable, telemetry: emit.Telemetry) 
     def _get_candidate_generator(self, *args, **kwargs):
         generator = original(self, *args, **kwargs)
         frame = _ACTIVE.get()
-        if telemetry.active and isinstance(frame, Loop) and frame.model is self:
+        if isinstance(frame, Loop) and frame.model is self and frame.call.telemetry is telemetry:
             frame.assisted_generator = type(generator).__name__
-            if frame.call.timed:
+            if frame.call.detailed:
                 try:
                     figures.count_candidates(generator, frame)
                 except Exception as fault:
@@ -1059,8 +1134,8 @@ def make_prepare_cache_for_generation(original: Callable, telemetry: emit.Teleme
     @functools.wraps(original)
     def _prepare_cache_for_generation(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        loop = loop_for(self) if telemetry.active else None
-        if loop is not None and loop.call.timed:
+        loop = loop_for(self, telemetry)
+        if loop is not None and loop.call.detailed:
             try:
                 model_kwargs = signature.bind(*args, **kwargs).arguments.get("model_kwargs") or {}
                 for name in ("cache", "past_key_values", "cache_params"):
