@@ -79,7 +79,7 @@ class FastStepSpans:
         self._info = getattr(tracer, "instrumentation_info", None)
         self._scope = getattr(tracer, "_instrumentation_scope", None)
         self._per_parent = _decides_per_parent(self._sampler)
-        self._decided: Dict[int, Any] = {}  # parent span id -> SamplingResult (per-parent samplers)
+        self._decided: Dict[int, Any] = {}  # id(parent SpanContext) -> decision (per-parent samplers)
         self._on_ends = tuple(p.on_end for p in self._checked)  # what the multi-processor's on_end calls
         # ReadableSpan.__init__'s result for this tracer, built once by the constructor itself: each
         # step span is a copy of its __dict__ with the span's own fields set (the same keys and values
@@ -148,6 +148,24 @@ class FastStepSpans:
             log_fault_once("fast step spans check", fault)
             return None
 
+    def _flags(self, parent: Any, sampling: Any) -> tuple:
+        """``(recording, trace flags)`` of a child span with this sampling result, as ``start_span`` sets them."""
+        decision = sampling.decision
+        flags = self._sampled if decision.is_sampled() else self._unsampled
+        if self._random_flag is not None and getattr(parent.trace_flags, "random_trace_id", False):
+            flags = self._trace_flags(flags | self._random_flag)
+        return decision.is_recording(), flags
+
+    def _decide(self, parent_context: Any, parent: Any, name: str, attributes: Dict[str, Any]) -> tuple:
+        if len(self._decided) > 64:
+            self._decided.clear()
+        trace_id = parent.trace_id
+        sampling = self._sampler.should_sample(parent_context, trace_id, name, self._kind, attributes, ())
+        recording, flags = self._flags(parent, sampling)
+        decided = (parent, sampling, recording, flags, trace_id, sampling.trace_state)
+        self._decided[id(parent)] = decided
+        return decided
+
     def emit(
         self, parent_context: Any, parent: Any, name: str, start: int, end: int, attributes: Dict[str, Any]
     ) -> bool:
@@ -160,27 +178,23 @@ class FastStepSpans:
         if self.broken:
             return False
         try:
-            trace_id = parent.trace_id
             if self._per_parent:
-                sampling = self._decided.get(parent.span_id)
-                if sampling is None:
-                    if len(self._decided) > 64:
-                        self._decided.clear()
-                    sampling = self._decided[parent.span_id] = self._sampler.should_sample(
-                        parent_context, trace_id, name, self._kind, attributes, ()
-                    )
+                # the decision, and all that follows from it, once per parent: (parent, sampling,
+                # recording, flags, trace id, trace state), found by the parent object itself
+                decided = self._decided.get(id(parent))
+                if decided is None or decided[0] is not parent:
+                    decided = self._decide(parent_context, parent, name, attributes)
+                _, sampling, recording, flags, trace_id, trace_state = decided
                 span_attributes = attributes  # these samplers hand the attributes through unchanged
             else:
+                trace_id = parent.trace_id
                 sampling = self._sampler.should_sample(parent_context, trace_id, name, self._kind, attributes, ())
                 span_attributes = sampling.attributes
-            decision = sampling.decision
-            if not decision.is_recording():
+                recording, flags = self._flags(parent, sampling)
+                trace_state = sampling.trace_state
+            if not recording:
                 return True  # a non-recording span: nothing reaches the processors
-            flags = self._sampled if decision.is_sampled() else self._unsampled
-            if self._random_flag is not None and getattr(parent.trace_flags, "random_trace_id", False):
-                flags = self._trace_flags(flags | self._random_flag)
             span_id = self._new_span_id()
-            trace_state = sampling.trace_state
             # SpanContext(trace_id, span_id, False, flags, trace_state) without its __new__'s call: the
             # same tuple (the trace id is the parent's, the span id the generator's: both valid)
             context = self._new_tuple(
