@@ -887,3 +887,32 @@ def test_llama_pipeline_with_a_chat_template_and_bounded_length(instrument, span
     inputs, outputs = span_messages(request)
     assert texts(inputs) == ["hi.yo.ok."]
     assert texts(outputs) == [result[0]["generated_text"][-1]["content"]]
+
+
+def test_content_capture_example_runs_and_captures_with_its_tokenizer():
+    """examples/content_capture.py: the captured messages hold the prompt and the completion the
+    returned tokens decode to; without tokenizer= nothing is captured and one warning says why."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "content_capture.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    done = subprocess.run(
+        [sys.executable, str(example), "--prompt", "abc def", "--new-tokens", "6"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in done.stdout.splitlines() if ": " in line)
+    (user,) = json.loads(lines[A.GEN_AI_INPUT_MESSAGES])
+    (assistant,) = json.loads(lines[A.GEN_AI_OUTPUT_MESSAGES])
+    assert user["parts"] == [{"type": "text", "content": "abc def"}]
+    completion = json.loads(lines["completion decoded from the returned tokens"])
+    assert assistant["parts"] == [{"type": "text", "content": completion}]
+    assert assistant["finish_reason"] == "length"
+    assert lines["without tokenizer="] == "captured attributes []"
+    assert done.stderr.count("no tokenizer=") == 1
