@@ -69,7 +69,8 @@ def main(argv=None) -> int:
         _serve_demo().build_model_dir(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    inputs = tokenizer(args.prompt, return_tensors="pt")
+    encoded = tokenizer(args.prompt, return_tensors="pt")
+    inputs = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
     prompt_length = inputs["input_ids"].shape[-1]
 
     # 1. with the tokenizer: the text is captured
