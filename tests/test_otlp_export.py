@@ -153,6 +153,11 @@ def test_app_is_told_the_ports_the_collector_listens_on_and_compose_publishes(co
     assert services["app"]["profiles"] == ["app"]
     command = " ".join(services["app"]["command"])
     assert "opentelemetry-instrument python examples/app.py" in command
+    # a second `docker compose up` of the same container runs the command again: every folder it
+    # makes must survive that (mkdir -p, or removed first), unlike a bare `mkdir /app`
+    for match in re.finditer(r"mkdir\s+(-p\s+)?(\S+)", command):
+        if not match.group(1):
+            assert f"rm -rf {match.group(2)} && mkdir {match.group(2)}" in command, match.group(0)
     assert (REPO / "examples" / "app.py").is_file()
 
 
