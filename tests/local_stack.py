@@ -93,6 +93,22 @@ def local_stack(*args: str):
         assert stopped.returncode == 0, stopped.stderr
 
 
+def state_dir() -> Path:
+    """Where ``collector/local.sh`` keeps its pid files and logs (one folder per tier)."""
+    cache = os.environ.get("OTEL_GENERATE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "otel-generate"
+    )
+    return Path(os.environ.get("OTEL_GENERATE_LOCAL_STATE") or os.path.join(cache, "local"))
+
+
+def deprecation_warnings(tier: str) -> list:
+    """Lines of the tier's Collector logs that warn of a deprecated name (an alias in a config)."""
+    lines = []
+    for log in sorted((state_dir() / tier).glob("otel-*.log")):
+        lines += [line for line in log.read_text(errors="replace").splitlines() if "deprecated" in line.lower()]
+    return lines
+
+
 def get_json(url: str, params: dict | None = None):
     if params:
         url += "?" + urllib.parse.urlencode(params)
