@@ -73,7 +73,10 @@ start() {
     done
     shift
     for port in "${ports[@]}"; do
-        listening "$port" && die "port $HOST:$port (for $name) is in use; set its variable in collector/local.sh to another port"
+        if listening "$port"; then
+            stop "$dir" # what this `up` already started
+            die "port $HOST:$port (for $name) is in use; set its variable in collector/local.sh to another port"
+        fi
     done
     setsid "$@" </dev/null >"$dir/$name.log" 2>&1 &
     echo "$! $1" >"$dir/$name.pid"
