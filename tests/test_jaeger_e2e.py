@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -161,7 +162,7 @@ def test_serve_request_in_one_trace_with_the_openai_clients_span(stack, tmp_path
 
     serve_demo = _serve_demo()
     model_dir = serve_demo.build_model_dir(str(tmp_path / "model"))
-    with __import__("socket").socket() as sock:
+    with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     base_url = f"http://127.0.0.1:{port}"
