@@ -251,7 +251,7 @@ def finish(
     except Exception as fault:
         log_fault_once("request span end", fault)
     if record is not None:
-        if telemetry.instruments:
+        if telemetry.instruments and request.metrics:
             try:
                 _record_metrics(telemetry.instruments, span, record)
             except Exception as fault:
