@@ -81,12 +81,14 @@ def test_rules_cover_the_slos_over_the_exported_metric_names():
         (A.METRIC_TIME_PER_OUTPUT_TOKEN, "s"),
         (A.METRIC_REQUEST_DURATION, "s"),
         (A.METRIC_TOKEN_USAGE, "{token}"),
+        (A.METRIC_INTER_TOKEN_LATENCY, "s"),
     ):
         assert _prometheus_name(otel_name, unit) in text, otel_name
     alerts = {rule["alert"] for rule in rules if "alert" in rule}
     assert alerts == {
         "GenAITimeToFirstTokenP99High",
         "GenAITimePerOutputTokenP99High",
+        "GenAIInterTokenLatencyP99High",
         "GenAIRequestErrorRatioHigh",
         "GenAIOutputTokensPerSecondLow",
     }
