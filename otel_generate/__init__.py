@@ -65,6 +65,11 @@ Configuration
 * ``measure_memory`` (bool, default ``True``): on CUDA, the peak memory allocated during each
   request (resets ``torch.cuda``'s peak statistic at its start). Environment:
   ``OTEL_GENERATE_MEASURE_MEMORY``.
+* ``tensor_parallel_spans`` (``"rank0"`` or ``"all"``; default ``"rank0"``): when the model is
+  sharded by tensor parallelism (``tp_plan``), only the group's rank 0 emits a call's request
+  (span and metrics); ``"all"``: every rank emits its own request span, tagged with its rank, and
+  rank 0 alone records the metrics (see :mod:`otel_generate.ranks`). Environment:
+  ``OTEL_GENERATE_TENSOR_PARALLEL_SPANS``.
 
 Keyword arguments win over environment variables; an environment value that cannot be parsed
 is reported once with a warning and the default is used (see :mod:`otel_generate.options`). Suppressing instrumentation

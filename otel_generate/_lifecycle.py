@@ -48,8 +48,8 @@ every forked child, right after the fork:
   nothing (a ``DataLoader`` worker) exports nothing at exit and never waits on an exporter.
 
 The SDK's ``BatchSpanProcessor`` (and ``BatchLogRecordProcessor``) clears its inherited queue in a
-forked child itself (its own after-fork hook, opentelemetry-sdk 1.45.1); this package's background
-emitter drops the parent's jobs too (:mod:`otel_generate.background`).
+forked child itself (its own after-fork hook, opentelemetry-sdk 1.45.1); this package's
+background emitter drops the parent's jobs too (:mod:`otel_generate.background`).
 
 A process killed by a signal it does not handle (``SIGKILL``; ``SIGTERM``, which
 ``Pool.terminate()`` and leaving a ``with Pool(...)`` block send to the workers still alive)

@@ -26,7 +26,9 @@ GEN_AI_REQUEST_STREAM = "gen_ai.request.stream"
 GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
 #: The request's id (continuous batching's ``request_id``).
 GEN_AI_RESPONSE_ID = "gen_ai.response.id"
-#: Seconds from the start of the request to the streamer's first ``put`` of generated tokens.
+#: Seconds from the start of the request to the first hand-over of generated tokens to a streaming
+#: consumer: the streamer's first ``put`` of generated tokens (``generate()``), or the first delivered
+#: output with tokens of a streaming continuous-batching request.
 GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
@@ -46,6 +48,10 @@ OPERATION_TEXT_COMPLETION = "text_completion"
 PROVIDER_TRANSFORMERS = "transformers"
 FINISH_REASON_STOP = "stop"
 FINISH_REASON_LENGTH = "length"
+#: A generation stopped because its client went away (``transformers serve`` without continuous
+#: batching raises its private cancellation inside ``generate()``; with it, ``cancel_request``).
+#: Not an error: the status stays UNSET and the tokens produced before it are counted.
+FINISH_REASON_CANCELLED = "cancelled"
 TOKEN_TYPE_INPUT = "input"
 TOKEN_TYPE_OUTPUT = "output"
 ROLE_USER = "user"
@@ -118,6 +124,21 @@ STRATEGY_CONTRASTIVE_SEARCH = "contrastive_search"
 STRATEGY_GROUP_BEAM_SEARCH = "group_beam_search"
 STRATEGY_CONSTRAINED_BEAM_SEARCH = "constrained_beam_search"
 STRATEGY_DOLA = "dola"
+
+# --- this package: ranks of a distributed run (request span) -----------------------------------------
+#: The process's rank inside the model's tensor-parallel group (``tp_plan``), and the group's size.
+GENERATE_TENSOR_PARALLEL_RANK = "generate.tensor_parallel.rank"
+GENERATE_TENSOR_PARALLEL_SIZE = "generate.tensor_parallel.size"
+#: The 0-based ordinal of this ``generate()`` call among the calls made on this tensor-parallel model
+#: in this process while the instrumentation was on (suppressed ones included): the ranks of a group
+#: run the same calls in the same order (their collectives must match), so the spans of one user call
+#: carry the same value on every rank.
+GENERATE_TENSOR_PARALLEL_CALL_INDEX = "generate.tensor_parallel.call_index"
+#: ``torch.distributed.get_rank()`` and ``get_world_size()``, when ``torch.distributed`` is initialized.
+GENERATE_DISTRIBUTED_RANK = "generate.distributed.rank"
+GENERATE_DISTRIBUTED_WORLD_SIZE = "generate.distributed.world_size"
+#: ``tensor_parallel_spans``: only the group's rank 0 emits a request (default), or every rank does.
+TENSOR_PARALLEL_SPANS_RANK0, TENSOR_PARALLEL_SPANS_ALL = "rank0", "all"
 
 # --- this package: inner-call spans ---------------------------------------------------------------
 #: One span per inner ``generate()`` call when a request ran several (Whisper windows and

@@ -287,7 +287,7 @@ def finish(
         span.end(end_time=request.wall_ns(end) if end is not None else None)
     except Exception as fault:
         log_fault_once("request span end", fault)
-    if telemetry.instruments and (record is not None or not recording):
+    if telemetry.instruments and request.metrics and (record is not None or not recording):
         try:
             _record_metrics(telemetry.instruments, span, request, record)
         except Exception as fault:

@@ -28,6 +28,7 @@ ENV_SLOW_FRACTION = "OTEL_GENERATE_SLOW_FRACTION"
 ENV_OUTLIER_FACTOR = "OTEL_GENERATE_STEP_OUTLIER_FACTOR"
 ENV_BACKGROUND_EMISSION = "OTEL_GENERATE_BACKGROUND_EMISSION"
 ENV_MEASURE_MEMORY = "OTEL_GENERATE_MEASURE_MEMORY"
+ENV_TENSOR_PARALLEL_SPANS = "OTEL_GENERATE_TENSOR_PARALLEL_SPANS"
 
 DEFAULT_MAX_STEP_SPANS = 1024
 #: Step-span policies: every sampled request's steps, none, or only those of slow or failed requests.
@@ -37,6 +38,9 @@ DEFAULT_SLOW_TIME_TO_FIRST_TOKEN_S = 1.0
 DEFAULT_SLOW_TIME_PER_OUTPUT_TOKEN_S = 0.1
 DEFAULT_SLOW_FRACTION = 0.05
 DEFAULT_OUTLIER_FACTOR = 3.0
+#: Who emits a tensor-parallel group's requests: its rank 0 only (default), or every rank (its own span).
+TENSOR_PARALLEL_SPANS_RANK0, TENSOR_PARALLEL_SPANS_ALL = "rank0", "all"
+TENSOR_PARALLEL_SPANS_MODES = (TENSOR_PARALLEL_SPANS_RANK0, TENSOR_PARALLEL_SPANS_ALL)
 
 NAMES = (
     "tracer_provider",
@@ -54,6 +58,7 @@ NAMES = (
     "capture_message_content",
     "capture_step_token_ids",
     "capture_step_logprobs",
+    "tensor_parallel_spans",
 )
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -80,6 +85,7 @@ class Options:
     capture_message_content: Any = None
     capture_step_token_ids: bool = False
     capture_step_logprobs: bool = False
+    tensor_parallel_spans: str = TENSOR_PARALLEL_SPANS_RANK0
 
 
 def _warn_env(name: str, raw: str, expected: str, default: Any) -> None:
@@ -139,6 +145,13 @@ def _parse_factor(text: str) -> float:
 def _parse_policy(text: str) -> str:
     value = text.lower()
     if value not in STEP_SPAN_POLICIES:
+        raise ValueError(text)
+    return value
+
+
+def _parse_tensor_parallel_spans(text: str) -> str:
+    value = text.lower()
+    if value not in TENSOR_PARALLEL_SPANS_MODES:
         raise ValueError(text)
     return value
 
@@ -226,6 +239,16 @@ def resolve(kwargs: Dict[str, Any]) -> Options:
         step_spans = _parse_policy_keyword(step_spans)
     else:
         step_spans = _from_env(ENV_STEP_SPANS, STEP_SPANS_ALL, _parse_policy, f"one of {', '.join(STEP_SPAN_POLICIES)}")
+    tensor_parallel_spans = pick(
+        "tensor_parallel_spans",
+        str,
+        "a string",
+        lambda v: v.lower() in TENSOR_PARALLEL_SPANS_MODES,
+        f"one of {', '.join(TENSOR_PARALLEL_SPANS_MODES)}",
+        ENV_TENSOR_PARALLEL_SPANS,
+        TENSOR_PARALLEL_SPANS_RANK0,
+        _parse_tensor_parallel_spans,
+    ).lower()
     number = (int, float)
     return Options(
         tracer_provider=kwargs.get("tracer_provider"),
@@ -302,6 +325,7 @@ def resolve(kwargs: Dict[str, Any]) -> Options:
         capture_step_logprobs=pick(
             "capture_step_logprobs", bool, "a bool", None, "", _content.ENV_CAPTURE_STEP_LOGPROBS, False, _parse_bool
         ),
+        tensor_parallel_spans=tensor_parallel_spans,
     )
 
 

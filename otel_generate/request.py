@@ -90,6 +90,9 @@ class Request:
             over the returned sequences), or ``None``.
         step_logprobs: opt-in, the natural-log probability of each of those ids, same layout, or
             ``None`` (also when the strategy gives none: beam search, assisted decoding).
+        metrics: whether the request is recorded in the metrics (False for a tensor-parallel
+            rank other than 0 that emits its own span, :mod:`otel_generate.ranks`: rank 0 records
+            the request).
     """
 
     model: str
@@ -127,6 +130,7 @@ class Request:
     output_messages: Optional[List[Dict[str, Any]]] = None
     step_token_ids: Optional[List[List[int]]] = None
     step_logprobs: Optional[List[List[float]]] = None
+    metrics: bool = True
 
     # --- derived figures (nanoseconds) ---------------------------------------------------------
     def wall_ns(self, monotonic_ns: int) -> int:

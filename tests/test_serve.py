@@ -274,3 +274,108 @@ def test_sigterm_right_after_a_request_still_exports_its_spans(mode, model_dir):
     ]
     assert len(steps) == request["attributes"][A.GENERATE_STEPS] > 0
     assert request["attributes"][A.GEN_AI_USAGE_OUTPUT_TOKENS] == results[0]["response"]["usage"]["completion_tokens"]
+
+
+# --- a client that goes away, time to first chunk (issue 17, items 5 and 6) ---------------------------
+
+#: Chunks the client reads before it closes the stream (the user pressed Stop).
+CHUNKS_BEFORE_STOP = 3
+
+
+def _stream_chat(url, model_dir, max_tokens, stop_after=None):
+    """Stream a chat completion with the ``openai`` client; close the stream after ``stop_after``
+    chunks (``None``: read it all). Returns the chunks read."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    stream = client.chat.completions.create(
+        model=model_dir,
+        messages=[{"role": "user", "content": "abc"}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+    )
+    chunks = []
+    try:
+        for chunk in stream:
+            chunks.append(chunk)
+            if stop_after is not None and len(chunks) >= stop_after:
+                break
+    finally:
+        stream.close()
+    return chunks
+
+
+def _wait_for_request_spans(span_exporter, count, deadline_s=60.0):
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        spans = request_spans(span_exporter)
+        if len(spans) >= count:
+            return spans
+        time.sleep(0.05)
+    raise AssertionError(f"{count} request span(s) did not end within {deadline_s} s: {request_spans(span_exporter)}")
+
+
+def _in_process_serve(model_dir, mode):
+    from transformers.cli.serve import Serve
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    options = dict(force_model=model_dir, host="127.0.0.1", port=port, non_blocking=True, device="cpu")
+    serve = Serve(**options, log_level="error", **(CB_OPTIONS if mode == "continuous_batching" else {}))
+    wait_healthy(url, 120)
+    return serve, url
+
+
+@pytest.mark.parametrize("mode", ["plain", "continuous_batching"])
+def test_a_client_that_stops_a_stream_is_cancelled_not_an_error(mode, model_dir, instrumented, span_exporter):
+    from opentelemetry.trace import StatusCode
+
+    serve, url = _in_process_serve(model_dir, mode)
+    try:
+        span_exporter.clear()
+        chunks = _stream_chat(url, model_dir, max_tokens=400, stop_after=CHUNKS_BEFORE_STOP)
+        (span,) = _wait_for_request_spans(span_exporter, 1)
+    finally:
+        serve.kill_server()
+    assert len(chunks) == CHUNKS_BEFORE_STOP
+    attrs = span.attributes
+    assert list(attrs[A.GEN_AI_RESPONSE_FINISH_REASONS]) == [A.FINISH_REASON_CANCELLED]
+    assert span.status.status_code == StatusCode.UNSET
+    assert A.ERROR_TYPE not in attrs
+    assert not [event for event in span.events if event.name == "exception"]
+    assert attrs[A.GEN_AI_REQUEST_STREAM] is True
+    # the first chunk carries the role only; each later one the text of one token (a character of
+    # this tokenizer): the tokens the server produced include every one the client received
+    tokens_received = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(tokens_received) == CHUNKS_BEFORE_STOP - 1
+    assert all(len(c.choices[0].delta.content) == 1 for c in tokens_received)
+    assert attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] >= len(tokens_received)
+    assert attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] < 400
+    assert attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == sum(
+        s.attributes[A.GENERATE_STEP_TOKENS] for s in step_spans(span_exporter, span)
+    )
+
+
+@pytest.mark.parametrize("mode", ["plain", "continuous_batching"])
+def test_a_streamed_chat_completion_has_its_time_to_first_chunk(mode, model_dir, instrumented, span_exporter):
+    serve, url = _in_process_serve(model_dir, mode)
+    try:
+        span_exporter.clear()
+        started = time.monotonic()
+        chunks = _stream_chat(url, model_dir, max_tokens=MAX_TOKENS)
+        elapsed = time.monotonic() - started
+        (span,) = _wait_for_request_spans(span_exporter, 1)
+    finally:
+        serve.kill_server()
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    attrs = span.attributes
+    assert attrs[A.GEN_AI_REQUEST_STREAM] is True
+    first_chunk = attrs[A.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK]
+    duration = (span.end_time - span.start_time) / 1e9
+    # handed over after the first step that produced a token started, before the request ended
+    assert 0 < first_chunk <= duration < elapsed
+    steps = step_spans(span_exporter, span)
+    first_token_step = next(s for s in steps if s.attributes[A.GENERATE_STEP_TOKENS] > 0)
+    assert first_chunk >= (first_token_step.start_time - span.start_time) / 1e9
+    assert attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] >= len([c for c in chunks if c.choices and c.choices[0].delta.content])

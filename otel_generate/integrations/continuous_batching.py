@@ -22,12 +22,14 @@ derive everything else later, off the scheduler thread:
   over): one append of ``(clock, outputs)``, and the background emitter is woken (at most one
   job pending per manager).
 * ``ContinuousBatchingManager.cancel_request`` (the caller): a cancelled request never produces
-  an output; its span ends with finish reason ``cancelled``.
+  an output; its span ends with finish reason ``cancelled`` (not an error, :mod:`otel_generate.cancellation`)
+  after the batch step running at that moment, counting the batch steps that gave it a token.
 
 Derivation, on the :class:`~otel_generate.background.BackgroundEmitter`'s thread: which batch
 steps each request took part in (``prefill`` chunks with no token, the step that produced its
 first token, then one ``decode`` per token), the requests sharing each step, the queue time,
-tokens and finish reasons; then :func:`otel_generate.emit.finish` builds the spans and records the
+tokens, finish reasons and a streaming request's time to first chunk (the first delivered output
+with generated tokens); then :func:`otel_generate.emit.finish` builds the spans and records the
 metrics. The scheduler thread never builds a span nor records a metric.
 
 A ``generate(..., cache_implementation="paged")`` call hands its rows to ``generate_batch``: the
@@ -52,7 +54,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from otel_generate import attributes as A
-from otel_generate import clock, emit
+from otel_generate import clock, emit, ranks
 from otel_generate._faults import log_fault_once
 from otel_generate._patch import Patches
 from otel_generate.request import Request
@@ -64,8 +66,8 @@ MODULE = "transformers.generation.continuous_batching.continuous_api"
 STATE_ATTR = "_otel_generate_cb"
 #: transformers names the extra sequences of ``num_return_sequences`` ``{request_id}__child#{i}``.
 CHILD_SEPARATOR = "__child#"
-#: Finish reason of a request cancelled with ``cancel_request`` (it never produced an output).
-FINISH_REASON_CANCELLED = "cancelled"
+#: Finish reason of a request cancelled with ``cancel_request`` (the package-wide name, kept here too).
+FINISH_REASON_CANCELLED = A.FINISH_REASON_CANCELLED
 #: How long derivation waits for the batch step that delivered an output to end, seconds.
 BODY_WAIT_S = 1.0
 #: The emitter yields the interpreter lock after this many step spans.
@@ -147,6 +149,8 @@ class _Record:
         "group",
         "input_tokens",
         "last_body",
+        "streaming",
+        "first_chunk_ns",
     )
 
     def __init__(self, request_id: str, start_ns: int, start_wall_ns: int, sequences: int) -> None:
@@ -167,6 +171,9 @@ class _Record:
         self.group: Optional["PagedGroup"] = None
         self.input_tokens: Optional[int] = None
         self.last_body = 0  # the loop iteration that delivered the last output (0: outside one)
+        self.streaming = False
+        #: when the first output with generated tokens was handed over (streaming requests)
+        self.first_chunk_ns: Optional[int] = None
 
     def complete(self) -> bool:
         if self.cancelled_ns is not None:
@@ -321,6 +328,8 @@ def _request_of(state: "_ManagerState", record: _Record, derived: _Derived) -> R
         request.output_tokens = sum(1 for step in derived.steps if step[4]) if record.timed else None
     request.finish_reasons = derived.finish_reasons
     request.error = derived.error
+    if record.first_chunk_ns is not None:
+        request.first_chunk_ns = max(record.first_chunk_ns, record.start_ns)
     end = derived.end_ns if derived.end_ns is not None else clock.monotonic_ns()
     request.end_ns = max(end, record.start_ns)
     return request
@@ -349,6 +358,7 @@ class _ManagerState:
         #: entries of ids whose ``add_request`` has not returned yet (kept only while one is running)
         self.orphan_steps: Dict[str, List[tuple]] = {}
         self.orphan_outputs: Dict[str, tuple] = {}
+        self.orphan_first_chunks: Dict[str, int] = {}
         self.ready: List[_Record] = []  # finished, waiting for the batch step that delivered them to end
         self.submitting = 0
         self.timed = 0
@@ -500,15 +510,18 @@ class _ManagerState:
             if not body and self.pending_async:
                 self._close_async(at)
             for output in outputs:
-                if not output.is_finished():
-                    continue
                 rid = output.request_id
                 record = records.get(_base_id(rid))
                 if record is None:
                     if self.submitting:
-                        self.orphan_outputs[rid] = (at, output, body)
+                        self.orphan_first_chunks.setdefault(_base_id(rid), at)
+                        if output.is_finished():
+                            self.orphan_outputs[rid] = (at, output, body)
                     continue
-                self._deliver(record, rid, at, output, body)
+                if record.streaming and record.first_chunk_ns is None and output.generated_tokens:
+                    record.first_chunk_ns = at  # the first chunk handed to the streaming consumer
+                if output.is_finished():
+                    self._deliver(record, rid, at, output, body)
 
     def _deliver(self, record: _Record, rid: str, at: int, output: Any, body: int) -> None:
         if record.complete() and record in self.ready:
@@ -521,11 +534,13 @@ class _ManagerState:
     def _ingest_cancels(self) -> None:
         cancelled, records = self.cancelled, self.records
         while cancelled:
-            at, rid = cancelled.popleft()
+            at, rid, body = cancelled.popleft()
             record = records.get(rid)
             if record is None or record.complete():
                 continue
             record.cancelled_ns = at
+            # the loop iteration running when it was cancelled may still give it a token: wait for its step
+            record.last_body = max(record.last_body, body)
             self.ready.append(record)
 
     def register(self, record: _Record) -> None:
@@ -535,6 +550,9 @@ class _ManagerState:
             self.records[rid] = record
             if record.timed:
                 self.timed += 1
+            first_chunk = self.orphan_first_chunks.pop(rid, None)
+            if record.streaming and first_chunk is not None:
+                record.first_chunk_ns = first_chunk
             for key in [key for key in self.orphan_steps if _base_id(key) == rid]:
                 if record.timed:
                     record.steps.setdefault(key, []).extend(self.orphan_steps[key])
@@ -553,6 +571,7 @@ class _ManagerState:
             self.submitting = 0
             self.orphan_steps.clear()
             self.orphan_outputs.clear()
+            self.orphan_first_chunks.clear()
         self.collect = bool(self.submitting or self.timed)
 
     def enter_submission(self) -> None:
@@ -841,6 +860,8 @@ def _record(
         params[A.GEN_AI_REQUEST_CHOICE_COUNT] = sequences
     if bound.get("streaming"):
         params[A.GEN_AI_REQUEST_STREAM] = True
+        record.streaming = True
+    params.update(ranks.attributes_of(manager.model))  # a distributed run: the driver's ranks
     per_request = getattr(getattr(manager, "continuous_batching_config", None), "per_request_processors", False)
     params.update(_sampling_parameters(config, overrides if per_request else {}))
     return record
@@ -947,7 +968,7 @@ def make_cancel_request(original: Callable, telemetry: emit.Telemetry) -> Callab
             try:
                 request_id = args[0] if args else kwargs.get("request_id")
                 if request_id in state.records:
-                    state.cancelled.append((clock.monotonic_ns(), request_id))
+                    state.cancelled.append((clock.monotonic_ns(), request_id, state.body))
                     state.trigger()
             except Exception as fault:
                 log_fault_once("continuous batching cancel", fault)

@@ -40,7 +40,7 @@ from opentelemetry import trace
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from otel_generate import attributes as A
-from otel_generate import clock, emit, figures
+from otel_generate import cancellation, clock, emit, figures, ranks
 from otel_generate._faults import log_fault_once
 from otel_generate.request import InnerCall, Request
 from otel_generate.tokens import (
@@ -333,13 +333,16 @@ class Call:
         Returns ``result`` (with ``token_latencies`` attached when asked for).
         """
         request = self.request
-        request.error = exc
+        cancelled = cancellation.is_cancellation(exc)  # a departed client: not an error
+        request.error = None if cancelled else exc
         setup_done(self)
         try:
             self._synchronize()
             request.end_ns = clock.monotonic_ns()
             request.memory_peak_bytes = self._memory(figures.peak_memory)
             self._assemble(result, exc)
+            if cancelled:
+                cancellation.account(request, self.loops)
         except Exception as fault:
             request.incomplete = True
             log_fault_once("request accounting", fault)
@@ -908,13 +911,22 @@ def run_request(
     """
     call_args = (model, *args) if call_args is None else call_args
     extras = pop_extras(kwargs)  # never passed on to transformers, even when suppressed
+    placement = ranks.placement(model, telemetry.options.tensor_parallel_spans)  # None unless distributed
     if not is_instrumentation_enabled():
         return original(*call_args, **kwargs)
+    if placement is not None and placement.silent:  # rank 0 of the group emits this call
+        token = _ACTIVE.set(_NESTED)  # the generate() calls inside it are not requests either
+        try:
+            return original(*call_args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
     try:
         call = Call(telemetry, model, args, kwargs, extras, custom_generate=custom_generate)
     except Exception as fault:
         log_fault_once("request start", fault)
         return original(*call_args, **kwargs)
+    if placement is not None:
+        ranks.apply(placement, call.request)
     # the user's GenerationMixin.generate is the request's loop: it starts when the request does
     frame = call.open_loop(model, kwargs, start_ns=call.request.start_ns) if loop else call
     if loop:

@@ -1,0 +1,43 @@
+"""Microbenchmark of two per-request checks on the ``generate()`` path (none per step):
+
+* ``ranks.placement(model, mode)``: which rank speaks for the call (:mod:`otel_generate.ranks`), in
+  a process where ``torch.distributed`` is not initialized and the model is not sharded (the
+  common case: a weak-dictionary look-up of the model and ``is_initialized()``);
+* ``cancellation.is_cancellation(exc)``: for a call that returned (``None``) and one that raised
+  an ordinary exception (a walk of its class's MRO).
+
+    python benchmarks/per_request_checks.py --repeats 5 --calls 200000
+
+Prints nanoseconds per call, the minimum over ``--repeats`` of ``timeit`` runs of ``--calls``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import timeit
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=200000)
+    args = parser.parse_args()
+
+    from otel_generate import cancellation, ranks
+    from otel_generate.bench.models import build_model
+
+    model = build_model("gpt2")
+    ranks.placement(model, "rank0")  # the model's group is read once
+    error = ValueError("not a cancellation")
+    cases = {
+        "ranks.placement, not distributed": lambda: ranks.placement(model, "rank0"),
+        "cancellation.is_cancellation(None)": lambda: cancellation.is_cancellation(None),
+        "cancellation.is_cancellation(ValueError)": lambda: cancellation.is_cancellation(error),
+    }
+    for name, function in cases.items():
+        best = min(timeit.repeat(function, number=args.calls, repeat=args.repeats)) / args.calls
+        print(f"{name}: {best * 1e9:.0f} ns per call")
+
+
+if __name__ == "__main__":
+    main()
