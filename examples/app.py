@@ -69,7 +69,9 @@ def main(argv=None) -> int:
 
     tracer = trace.get_tracer("examples.app")
     with tracer.start_as_current_span("handle_request"), TokenLatencyProfiler() as profiler:
-        output = model.generate(**inputs, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None)
+        # tokenizer=: what content capture decodes the message text with (docs/content-capture.md)
+        extra = {"tokenizer": tokenizer} if tokenizer is not None else {}
+        output = model.generate(**inputs, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, **extra)
 
     prompt_width = 0 if model.config.is_encoder_decoder else inputs["input_ids"].shape[-1]
     continuation = output[0, prompt_width:].tolist()

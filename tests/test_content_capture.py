@@ -422,6 +422,38 @@ def test_generate_with_tokenizer_is_captured_and_without_one_nothing_is(
     assert by_span[second.context.span_id].attributes[A.GEN_AI_USAGE_INPUT_TOKENS] == 5
 
 
+def test_capture_on_without_a_tokenizer_warns_once(instrument, span_exporter, gpt2, monkeypatch, caplog):
+    from otel_generate.integrations import generate_content
+
+    monkeypatch.setattr(generate_content, "_no_tokenizer_warned", False)
+    monkeypatch.setenv(content.ENV_CAPTURE_MESSAGE_CONTENT, "SPAN_ONLY")
+    instrument()
+    ids, mask = encode("hello")
+    with caplog.at_level(logging.WARNING, logger="otel_generate"):
+        gpt2.generate(ids, attention_mask=mask, max_new_tokens=3)  # no tokenizer
+        gpt2.generate(ids, attention_mask=mask, max_new_tokens=3)  # again: no second warning
+        with_tokenizer = gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, tokenizer=char_tokenizer())
+    warnings = [r for r in caplog.records if "no tokenizer=" in r.getMessage()]
+    assert len(warnings) == 1
+    assert warnings[0].levelno == logging.WARNING
+    assert "SPAN_ONLY" in warnings[0].getMessage() and "tokenizer=tokenizer" in warnings[0].getMessage()
+    # the warned-about requests carry no text; the one with a tokenizer does
+    spans = sorted(request_spans(span_exporter), key=lambda s: s.start_time)
+    assert [bool(set(s.attributes) & set(MESSAGES)) for s in spans] == [False, False, True]
+    assert texts(span_messages(spans[2])[1]) == [chars_of(continuation(with_tokenizer[0], 5))]
+
+
+def test_capture_off_without_a_tokenizer_does_not_warn(instrument, gpt2, monkeypatch, caplog):
+    from otel_generate.integrations import generate_content
+
+    monkeypatch.setattr(generate_content, "_no_tokenizer_warned", False)
+    instrument()
+    ids, mask = encode("hello")
+    with caplog.at_level(logging.WARNING, logger="otel_generate"):
+        gpt2.generate(ids, attention_mask=mask, max_new_tokens=3)
+    assert not [r for r in caplog.records if "no tokenizer=" in r.getMessage()]
+
+
 def test_batch_of_two_prompts_has_no_padding_text(instrument, span_exporter, gpt2, monkeypatch):
     monkeypatch.setenv(content.ENV_CAPTURE_MESSAGE_CONTENT, "SPAN_ONLY")
     instrument()
@@ -855,3 +887,32 @@ def test_llama_pipeline_with_a_chat_template_and_bounded_length(instrument, span
     inputs, outputs = span_messages(request)
     assert texts(inputs) == ["hi.yo.ok."]
     assert texts(outputs) == [result[0]["generated_text"][-1]["content"]]
+
+
+def test_content_capture_example_runs_and_captures_with_its_tokenizer():
+    """examples/content_capture.py: the captured messages hold the prompt and the completion the
+    returned tokens decode to; without tokenizer= nothing is captured and one warning says why."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "content_capture.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    done = subprocess.run(
+        [sys.executable, str(example), "--prompt", "abc def", "--new-tokens", "6"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in done.stdout.splitlines() if ": " in line)
+    (user,) = json.loads(lines[A.GEN_AI_INPUT_MESSAGES])
+    (assistant,) = json.loads(lines[A.GEN_AI_OUTPUT_MESSAGES])
+    assert user["parts"] == [{"type": "text", "content": "abc def"}]
+    completion = json.loads(lines["completion decoded from the returned tokens"])
+    assert assistant["parts"] == [{"type": "text", "content": completion}]
+    assert assistant["finish_reason"] == "length"
+    assert lines["without tokenizer="] == "captured attributes []"
+    assert done.stderr.count("no tokenizer=") == 1

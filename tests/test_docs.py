@@ -105,6 +105,7 @@ def _links(path: pathlib.Path) -> list[str]:
 def test_links_are_found():
     assert "docs/contract.md" in _links(README)
     assert "images/phoenix-trace.png" in _links(ROOT / "docs" / "backends.md")
+    assert "images/jaeger-trace.png" in _links(ROOT / "docs" / "backends.md")
 
 
 def test_slug_matches_githubs_rule():

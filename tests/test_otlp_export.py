@@ -115,9 +115,10 @@ def test_collector_pipelines_name_defined_components(collector):
         assert pipeline["processors"] == ["memory_limiter", "batch"], name
         assert "otlp" in pipeline["receivers"]
         assert "debug" in pipeline["exporters"]
-    assert "otlp/jaeger" in pipelines["traces"]["exporters"]
-    # Jaeger stores no metrics: the metrics pipeline must not send them there
-    assert "otlp/jaeger" not in pipelines["metrics"]["exporters"]
+    assert "otlp_grpc/jaeger" in pipelines["traces"]["exporters"]
+    # Jaeger stores no metrics: the metrics pipeline must not send them there, but to Prometheus
+    assert "otlp_grpc/jaeger" not in pipelines["metrics"]["exporters"]
+    assert "prometheus" in pipelines["metrics"]["exporters"]
 
 
 def test_collector_listens_on_the_otlp_ports_on_all_interfaces(collector):
@@ -152,6 +153,11 @@ def test_app_is_told_the_ports_the_collector_listens_on_and_compose_publishes(co
     assert services["app"]["profiles"] == ["app"]
     command = " ".join(services["app"]["command"])
     assert "opentelemetry-instrument python examples/app.py" in command
+    # a second `docker compose up` of the same container runs the command again: every folder it
+    # makes must survive that (mkdir -p, or removed first), unlike a bare `mkdir /app`
+    for match in re.finditer(r"mkdir\s+(-p\s+)?(\S+)", command):
+        if not match.group(1):
+            assert f"rm -rf {match.group(2)} && mkdir {match.group(2)}" in command, match.group(0)
     assert (REPO / "examples" / "app.py").is_file()
 
 
@@ -168,8 +174,12 @@ def test_collector_runs_with_the_mounted_configuration(compose):
 
 def test_collector_exporters_name_compose_services_on_their_otlp_port(compose, collector):
     services = compose["services"]
-    endpoints = {name: cfg["endpoint"] for name, cfg in collector["exporters"].items() if cfg and "endpoint" in cfg}
-    assert set(endpoints) == {"otlp/jaeger"}
+    endpoints = {
+        name: cfg["endpoint"]
+        for name, cfg in collector["exporters"].items()
+        if name.split("/")[0].startswith("otlp") and cfg and "endpoint" in cfg
+    }
+    assert set(endpoints) == {"otlp_grpc/jaeger"}
     for name, endpoint in endpoints.items():
         host, port = endpoint.rsplit(":", 1)
         assert host in services, f"exporter {name} sends to {host!r}, which is not a compose service"
@@ -187,7 +197,7 @@ def test_images_are_pinned(compose):
         image = service["image"]
         repository, _, tag = image.rpartition(":")
         assert repository and "/" not in tag, f"{name}: image {image!r} has no tag"
-        assert tag != "latest" and re.match(r"^\d+\.\d+", tag), f"{name}: image {image!r} is not pinned"
+        assert tag != "latest" and re.match(r"^v?\d+\.\d+", tag), f"{name}: image {image!r} is not pinned"
 
 
 # =============================================================================================

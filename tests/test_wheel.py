@@ -100,9 +100,18 @@ def test_built_wheel_in_a_fresh_venv_runs_the_example_under_opentelemetry_instru
     assert {f"otel_generate/{module}" for module in MODULES} <= names
     assert not any(name.startswith(("tests/", "examples/")) for name in names)  # the package only
     assert "transformers_generate = otel_generate:GenerateInstrumentor" in entry_points
+    # the Apache-2.0 text travels with the wheel (PEP 639: dist-info/licenses/) and the sdist
+    assert f"otel_generate-{__version__}.dist-info/licenses/LICENSE" in names
     with tarfile.open(sdist) as archive:
         members = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
-    assert {"pyproject.toml", "README.md", "examples/app.py", "tests/conftest.py", "tests/otlp_receiver.py"} <= members
+    assert {
+        "pyproject.toml",
+        "README.md",
+        "LICENSE",
+        "examples/app.py",
+        "tests/conftest.py",
+        "tests/otlp_receiver.py",
+    } <= members
     assert {f"otel_generate/{module}" for module in MODULES} <= members
 
     venv = tmp_path / "fresh-venv"

@@ -33,13 +33,15 @@ a tokenizer from the model's name would mean loading files the application did n
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 from typing import Any, Callable, List, Optional, Sequence
 
 from transformers.generation.logits_process import LogitsProcessor
 
 from otel_generate import attributes as A
 from otel_generate import emit
-from otel_generate._faults import log_fault_once
+from otel_generate._faults import LOGGER_NAME, log_fault_once
 from otel_generate._patch import Patches
 from otel_generate.content import input_messages, output_messages
 from otel_generate.integrations import generate_loop, pipelines
@@ -50,6 +52,28 @@ LOGITS_PROCESSOR_METHOD = "_get_logits_processor"
 
 #: Strategies that run ``GenerationMixin._sample``: one processed distribution per step, one token per row.
 LOGPROB_STRATEGIES = (A.STRATEGY_GREEDY, A.STRATEGY_SAMPLE)
+
+
+_LOG = logging.getLogger(LOGGER_NAME)
+_no_tokenizer_lock = threading.Lock()
+_no_tokenizer_warned = False
+
+#: The warning logged (once per process) when message capture is on and a request has no tokenizer.
+NO_TOKENIZER_WARNING = (
+    "otel_generate: message content capture is on (%s) but generate() got no tokenizer= and runs in no "
+    "pipeline, so no prompt or completion text is captured; pass generate(..., tokenizer=tokenizer) "
+    "(see docs/content-capture.md). This warning is logged once."
+)
+
+
+def _warn_no_tokenizer(mode: Any) -> None:
+    """Log :data:`NO_TOKENIZER_WARNING` the first time only."""
+    global _no_tokenizer_warned
+    with _no_tokenizer_lock:
+        if _no_tokenizer_warned:
+            return
+        _no_tokenizer_warned = True
+    _LOG.warning(NO_TOKENIZER_WARNING, mode.name)
 
 
 def _is_id_tensor(value: Any) -> bool:
@@ -93,7 +117,9 @@ def _fill(call: Any, loops: Sequence[Any], result: Any) -> None:
     single = loops[0] if len(loops) == 1 else None
     if options.mode.on_event or (options.mode.on_span and recording):
         tokenizer = tokenizer_of(call)
-        if tokenizer is not None:
+        if tokenizer is None:
+            _warn_no_tokenizer(options.mode)
+        else:
             if loops:
                 prompts = _prompt_texts(loops[0], tokenizer)
                 if prompts is not None:
