@@ -100,7 +100,8 @@ GENERATE_STEPS_INCOMPLETE = "generate.steps.incomplete"
 GENERATE_STEPS_UNOBSERVED = "generate.steps.unobserved"
 #: True when ``uninstrument()`` (or the last self-instrumenting ``TokenLatencyProfiler`` closing) ran
 #: while the request was in flight and before its loop's hooks were reached: the loop ran, its steps were
-#: not timed (token counts are read off the tensors). A request whose set-up had passed is unaffected.
+#: not timed (token counts are read off the tensors). A request whose set-up had passed is unaffected, except a
+#: model's own generate() with inner calls (Whisper's windows): those started afterwards run unseen.
 GENERATE_STEPS_UNINSTRUMENTED = "generate.steps.uninstrumented"
 UNOBSERVED_CUSTOM_GENERATE = "custom_generate"  # a custom_generate loop that never calls the stopping criteria
 UNOBSERVED_MODEL_LOOP = "model_loop"  # a model's own generate() that runs no GenerationMixin loop

@@ -19,8 +19,10 @@ record's nanoseconds here and nowhere else.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+import weakref
 from typing import Any, Callable, Collection, Dict, Optional, Sequence
 
 from opentelemetry import context as otel_context
@@ -92,6 +94,7 @@ class Telemetry:
         #: call -> thread ident; ``uninstrument()`` waits for them (bounded) before removing the hooks
         self.setups: Dict[Any, int] = {}
         self.setups_changed = threading.Condition(threading.Lock())
+        _TELEMETRIES.add(self)  # a forked child forgets the parent's other threads' set-ups
         from otel_generate.fast_metrics import FastHistogram
         from otel_generate.fast_spans import FastStepSpans
 
@@ -108,6 +111,14 @@ class Telemetry:
                 self.options.slow_time_per_output_token,
                 self.options.slow_fraction,
             )
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child only the forking thread exists: the set-ups of the parent's other
+        threads will never finish here (``uninstrument()`` would wait for them), and one of those
+        threads may have held the set-up lock at the fork (every request would hang on it)."""
+        me = threading.get_ident()
+        self.setups = {call: thread for call, thread in list(self.setups.items()) if thread == me}
+        self.setups_changed = threading.Condition(threading.Lock())
 
     def metrics_live(self) -> bool:
         """Whether a measurement recorded now reaches a meter provider that aggregates it (an SDK
@@ -159,6 +170,22 @@ BACKGROUND_YIELD_EVERY = 16
 def get_tracer(tracer_provider: Any = None) -> trace.Tracer:
     """This package's tracer, with the semantic-conventions :data:`~otel_generate.attributes.SCHEMA_URL`."""
     return trace.get_tracer(INSTRUMENTATION_NAME, __version__, tracer_provider, schema_url=A.SCHEMA_URL)
+
+
+#: every :class:`Telemetry` alive (``instrument()`` makes one each time): reset in a forked child
+_TELEMETRIES: "weakref.WeakSet[Telemetry]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for telemetry in list(_TELEMETRIES):
+        try:
+            telemetry._after_fork_in_child()
+        except Exception as fault:  # pragma: no cover - never break a fork
+            log_fault_once("request set-ups after fork", fault)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def create_instruments(meter_provider: Any = None) -> Dict[str, Any]:

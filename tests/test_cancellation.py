@@ -113,3 +113,48 @@ def test_a_generate_cancelled_by_its_streamer_is_not_an_error(gpt2, instrumented
         if p.attributes.get(A.GEN_AI_TOKEN_TYPE) == A.TOKEN_TYPE_OUTPUT and hasattr(p, "sum") and p.count == 1
     ]
     assert [p.sum for p in usage] == [criteria.calls]
+
+
+def test_an_unsampled_cancelled_request_counts_its_tokens_in_the_metrics(gpt2, span_exporter, metric_reader):
+    """Its steps are timed for the metrics (a meter provider collects them), so the tokens it produced
+    are counted as a sampled one's are, with no error."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    from otel_generate import GenerateInstrumentor
+
+    provider = TracerProvider(sampler=ALWAYS_OFF)
+    provider.add_span_processor(SimpleSpanProcessor(span_exporter))
+    instrumentor = GenerateInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, meter_provider=MeterProvider(metric_readers=[metric_reader]))
+    ids, mask = prompt()
+    streamer, criteria = CancellingStreamer(cancel_at=4), CountingCriteria()
+    try:
+        with pytest.raises(StandInCancelled):
+            gpt2.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=40,
+                min_new_tokens=40,
+                do_sample=False,
+                streamer=streamer,
+                stopping_criteria=StoppingCriteriaList([criteria]),
+            )
+    finally:
+        instrumentor.uninstrument()
+    assert span_exporter.get_finished_spans() == ()
+    points = {
+        (metric.name, point.attributes.get(A.GEN_AI_TOKEN_TYPE)): point
+        for resource in metric_reader.get_metrics_data().resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        for point in metric.data.data_points
+    }
+    assert all(A.ERROR_TYPE not in point.attributes for point in points.values())
+    output = points[(A.METRIC_TOKEN_USAGE, A.TOKEN_TYPE_OUTPUT)]
+    assert (output.count, output.sum) == (1, criteria.calls)
+    assert criteria.calls >= streamer.delivered == streamer.cancel_at - 1
+    assert points[(A.METRIC_TIME_TO_FIRST_TOKEN, None)].count == 1
+    assert points[(A.METRIC_INTER_TOKEN_LATENCY, None)].count == criteria.calls - 1

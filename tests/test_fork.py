@@ -21,9 +21,12 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from conftest import prompt
@@ -32,6 +35,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from otel_generate import GenerateInstrumentor
 from otel_generate import attributes as A
+from otel_generate.integrations import generate_loop
 
 SUBPROCESS_TIMEOUT_S = 420
 #: Our exit-flush bound in the pool workers (their OTLP exporter waits on a closed port).
@@ -291,3 +295,86 @@ def test_the_fork_reset_leaves_other_instruments_alone():
     assert [(p.count, p.sum) for p in points[A.METRIC_REQUEST_DURATION]] == [(1, 0.25)]
     assert _lifecycle.forget_inherited_metrics([object()]) == 0  # not the SDK's: left alone
     provider.shutdown()
+
+
+def _in_forked_child(work):
+    """Run ``work()`` (returning a JSON-able value) in a bare ``os.fork()`` child; its value, or
+    ``{"hung": True}`` when the child was still running after 20 s (it is then killed)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            os.write(write, json.dumps(work()).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG) == (0, 0):
+        time.sleep(0.01)
+    else:
+        if time.monotonic() >= deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    with os.fdopen(read) as pipe:
+        text = pipe.read()
+    return json.loads(text) if text else {"hung": True}
+
+
+def test_a_forked_child_inherits_no_request_set_up_of_the_parents_other_threads(gpt2, monkeypatch):
+    """A parent thread in a request's set-up at the fork does not exist in the child: the child's
+    ``uninstrument()`` does not wait for it, and a parent thread holding the set-up lock at the fork
+    does not hang the child's ``generate()``."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork start method on this platform")
+    instrumentor = GenerateInstrumentor()
+    instrumentor.instrument(meter_provider=MeterProvider(metric_readers=[InMemoryMetricReader()]))
+    telemetry = instrumentor._telemetry
+    ids, mask = prompt(length=4)
+    entered, release = threading.Event(), threading.Event()
+    original = gpt2._prepare_special_tokens
+
+    def waiting(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return original(*args, **kwargs)
+
+    def child():
+        out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None)
+        # uninstrument() would wait for no request of another thread (it waits for none here: bound 0)
+        alone = generate_loop.wait_for_setups(telemetry, timeout_s=0)
+        return {"tokens": out.shape[-1] - 4, "no_other_setup": alone}
+
+    threads = []
+    try:
+        # 1. another thread is inside a request's set-up at the fork
+        monkeypatch.setattr(gpt2, "_prepare_special_tokens", waiting)
+        threads.append(
+            threading.Thread(
+                target=lambda: gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None)
+            )
+        )
+        threads[-1].start()
+        assert entered.wait(30)
+        monkeypatch.undo()
+        assert len(telemetry.setups) == 1
+        in_setup = _in_forked_child(child)
+        # 2. another thread holds the set-up lock at the fork
+        held = threading.Event()
+
+        def hold():
+            with telemetry.setups_changed:
+                held.set()
+                release.wait(30)
+
+        threads.append(threading.Thread(target=hold))
+        threads[-1].start()
+        assert held.wait(30)
+        lock_held = _in_forked_child(child)
+    finally:
+        release.set()
+        for thread in threads:
+            thread.join(30)
+        instrumentor.uninstrument()
+    assert in_setup == {"tokens": 3, "no_other_setup": True}
+    assert lock_held == {"tokens": 3, "no_other_setup": True}  # not {"hung": True}

@@ -153,3 +153,52 @@ def test_a_request_whose_hooks_were_missed_says_so(span_exporter, tracer_provide
     assert A.GENERATE_STEPS_INCOMPLETE not in attrs and A.GENERATE_STEPS_UNOBSERVED not in attrs
     assert A.GENERATE_STEPS not in attrs
     assert attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 8  # read off the output tensor
+
+
+def test_uninstrument_during_a_multi_call_request_says_so(span_exporter, tracer_provider):
+    """A model's own generate() whose loops are inner calls (Whisper's long-form windows): turned off
+    during its first window, the windows after it run unseen (generate() is the original again), so
+    the span carries ``generate.steps.uninstrumented`` even though only one loop was seen."""
+    import tiny_models
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    torch.manual_seed(0)
+    whisper = tiny_models.whisper()
+    frames = 9000  # 90 s: several 30 s windows
+    features, mask = torch.randn(1, 80, frames), torch.ones(1, frames)
+    instrumentor = GenerateInstrumentor()
+    instrumentor.instrument(tracer_provider=tracer_provider)
+    telemetry = instrumentor._telemetry
+    entered = threading.Event()
+
+    class WaitInFirstWindow(LogitsProcessor):
+        calls = 0
+
+        def __call__(self, input_ids, scores):
+            WaitInFirstWindow.calls += 1
+            if WaitInFirstWindow.calls == 2:
+                entered.set()
+                _wait_until(lambda: not telemetry.active, "the instrumentation to be turned off")
+            return scores
+
+    thread, result = _generate_in_thread(
+        whisper,
+        dict(
+            input_features=features,
+            attention_mask=mask,
+            return_timestamps=True,
+            max_new_tokens=20,
+            logits_processor=LogitsProcessorList([WaitInFirstWindow()]),
+        ),
+    )
+    try:
+        assert entered.wait(WAIT_S)
+    finally:
+        instrumentor.uninstrument()
+    thread.join(WAIT_S)
+    assert "error" not in result
+    assert WaitInFirstWindow.calls > 20  # the later windows ran (20 new tokens at most per window)
+    attrs = dict(only_request(span_exporter).attributes)
+    assert attrs[A.GENERATE_STEPS_UNINSTRUMENTED] is True
+    assert attrs[A.GENERATE_STEPS] == 20  # the first window's steps, all timed
+    assert A.GENERATE_STEPS_INCOMPLETE not in attrs and A.GENERATE_STEPS_UNOBSERVED not in attrs

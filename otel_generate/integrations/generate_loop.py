@@ -207,6 +207,9 @@ class Call:
         self.profilers = tuple(telemetry.profilers())
         self.name = model_name(model)
         self.loops: List[Loop] = []
+        #: the call is a model's own generate() (or a custom_generate) whose loops are inner calls
+        #: (Whisper's windows, Bark's sub-models): set by run_request
+        self.outer = False
         self.custom_generate = custom_generate_name(
             custom_generate if custom_generate is not None else kwargs.get("custom_generate")
         )
@@ -397,8 +400,11 @@ class Call:
         loops = [loop for loop in self.loops if loop.observed()]
         if self.custom_generate is not None:
             params[A.GENERATE_CUSTOM_GENERATE] = self.custom_generate
-        if not self.telemetry.active and (not loops or self.custom_generate is not None or len(self.loops) > 1):
-            # uninstrument() ran during the request: a loop it started afterwards went unseen
+        if not self.telemetry.active and (
+            not loops or self.custom_generate is not None or self.outer or len(self.loops) > 1
+        ):
+            # uninstrument() ran during the request: an inner call it started afterwards went unseen
+            # (with one loop seen so far as well: Whisper's later windows)
             request.uninstrumented = exc is None
         if not loops:
             self._account_unobserved(result, exc)
@@ -927,6 +933,7 @@ def run_request(
         return original(*call_args, **kwargs)
     if placement is not None:
         ranks.apply(placement, call.request)
+    call.outer = not loop
     # the user's GenerationMixin.generate is the request's loop: it starts when the request does
     frame = call.open_loop(model, kwargs, start_ns=call.request.start_ns) if loop else call
     if loop:
