@@ -320,7 +320,7 @@ def finish(
         span.end(end_time=request.wall_ns(end) if end is not None else None)
     except Exception as fault:
         log_fault_once("request span end", fault)
-    if telemetry.instruments and request.metrics and (record is not None or not recording):
+    if telemetry.instruments and request.metrics:  # every request, also one whose attributes faulted
         try:
             _record_metrics(telemetry.instruments, span, request, record, telemetry.fast_histograms)
         except Exception as fault:

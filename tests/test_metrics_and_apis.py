@@ -237,6 +237,31 @@ def test_bucket_boundaries_are_the_semconv_ones(instrumented, metric_reader, gpt
             assert list(point.explicit_bounds) == bounds, name
 
 
+def test_a_fault_building_a_sampled_request_span_still_records_its_metrics(
+    instrumented, span_exporter, metric_reader, gpt2, monkeypatch
+):
+    """Every request is in every histogram (issue 17), also when building the sampled span's
+    attributes faults: the figures then come from the request itself, as for an unsampled one."""
+    from otel_generate import emit
+
+    def broken_annotate(*args, **kwargs):
+        raise RuntimeError("attributes")
+
+    monkeypatch.setattr(emit, "_annotate", broken_annotate)
+    ids, mask = prompt()
+    output = gpt2.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
+    (request,) = request_spans(span_exporter)
+    assert request.attributes[A.GENERATE_STEPS_INCOMPLETE] is True
+    counts = {name: sum(p.count for p in points) for name, points in histograms(metric_reader).items()}
+    new_tokens = output.shape[1] - ids.shape[1]
+    assert counts[A.METRIC_REQUEST_DURATION] == 1
+    assert counts[A.METRIC_TIME_TO_FIRST_TOKEN] == 1
+    assert counts[A.METRIC_TIME_PER_OUTPUT_TOKEN] == 1
+    assert counts[A.METRIC_INTER_TOKEN_LATENCY] == new_tokens - 1 == 7
+    output_usage = by_token_type(histograms(metric_reader)[A.METRIC_TOKEN_USAGE], "output")
+    assert [p.sum for p in output_usage] == [new_tokens]
+
+
 def test_failed_request_carries_error_type(instrumented, metric_reader, gpt2):
     ids, mask = prompt()
     with pytest.raises(ValueError):
