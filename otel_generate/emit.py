@@ -364,17 +364,17 @@ def _annotate(telemetry: Telemetry, span: Any, request: Request, yield_every: in
             attrs[A.GENERATE_ASSISTED_ACCEPTANCE_RATE] = request.candidates_accepted / request.candidates_proposed
         outliers: frozenset = frozenset()
         emit_steps = False
+        # no step count at all: none could be seen, or uninstrument() ran before any was timed
+        steps_unseen = request.unobserved is not None or (request.uninstrumented and not latencies_ns)
         if request.timed:
             attrs[A.GENERATE_SYNCHRONIZED] = request.synchronized
             if request.device is not None:
                 attrs[A.GENERATE_DEVICE] = request.device
             if request.unobserved is not None:
                 attrs[A.GENERATE_STEPS_UNOBSERVED] = request.unobserved
-            elif request.uninstrumented and not latencies_ns:
+            elif request.uninstrumented:
                 attrs[A.GENERATE_STEPS_UNINSTRUMENTED] = True
-            else:
-                if request.uninstrumented:
-                    attrs[A.GENERATE_STEPS_UNINSTRUMENTED] = True
+            if not steps_unseen:
                 attrs[A.GENERATE_STEPS] = len(latencies_ns)
                 emit_steps = _step_policy(telemetry, request, attrs, seconds(ttft_ns), seconds(tpot_ns))
                 if latencies_s:
@@ -396,7 +396,7 @@ def _annotate(telemetry: Telemetry, span: Any, request: Request, yield_every: in
             span.record_exception(request.error)
             span.set_status(Status(StatusCode.ERROR, f"{type(request.error).__name__}: {request.error}"))
         emitted = min(len(latencies_ns), telemetry.max_step_spans) if emit_steps else 0
-        if request.unobserved is None and not (request.uninstrumented and not latencies_ns):
+        if not steps_unseen:
             attrs[A.GENERATE_STEP_SPANS_DROPPED] = len(latencies_ns) - emitted
         span.set_attributes(attrs)
         _emit_steps(telemetry, span, request, latencies_s, emitted, outliers, yield_every)

@@ -1058,17 +1058,15 @@ def loop_for(model: Any, telemetry: Optional[emit.Telemetry] = None) -> Optional
     on: a request in flight when ``uninstrument()`` ran still gets its hooks; a new one has none).
     """
     frame = _ACTIVE.get()
-    if isinstance(frame, Loop):
-        loop = frame if frame.model is model else None
+    if isinstance(frame, Loop) and frame.model is model:
+        call = frame.call
     elif isinstance(frame, Call) and frame.owns(model):
-        if telemetry is not None and frame.telemetry is not telemetry:
-            return None
-        return frame.implicit_loop(model)
+        call = frame
     else:
         return None
-    if loop is not None and telemetry is not None and loop.call.telemetry is not telemetry:
+    if telemetry is not None and call.telemetry is not telemetry:
         return None
-    return loop
+    return frame if frame is not call else call.implicit_loop(model)
 
 
 def make_prepare_generated_length(original: Callable, telemetry: emit.Telemetry) -> Callable:
