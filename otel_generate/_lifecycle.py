@@ -94,14 +94,9 @@ _finalizer_pid: Optional[int] = None
 _warned: set = set()
 #: this package's metric instruments (as ``instrument()`` created them): what a forked child resets
 _instruments: List[Any] = []
-#: whether this process finished a request of its own (reset in a forked child)
+#: whether this process finished a request of its own, so its exit flush has work: set by
+#: :func:`otel_generate.emit.finish`, reset in a forked child
 recorded = False
-
-
-def note_recorded() -> None:
-    """This process finished a request (:func:`otel_generate.emit.finish` calls it): its exit flush has work."""
-    global recorded
-    recorded = True
 
 
 class _AfterForkToken:
