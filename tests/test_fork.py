@@ -305,7 +305,11 @@ def _in_forked_child(work):
     if pid == 0:
         try:
             os.close(read)
-            os.write(write, json.dumps(work()).encode())
+            try:
+                value = work()
+            except BaseException as error:  # said, not mistaken for a hang
+                value = {"raised": repr(error)}
+            os.write(write, json.dumps(value).encode())
         finally:
             os._exit(0)
     os.close(write)
@@ -340,6 +344,11 @@ def test_a_forked_child_inherits_no_request_set_up_of_the_parents_other_threads(
         return original(*args, **kwargs)
 
     def child():
+        # torch's intra-op threads do not survive a fork: an earlier test that ran them in this
+        # process would leave the child's forward pass waiting on threads that are gone
+        import torch
+
+        torch.set_num_threads(1)
         out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None)
         # uninstrument() would wait for no request of another thread (it waits for none here: bound 0)
         alone = generate_loop.wait_for_setups(telemetry, timeout_s=0)
