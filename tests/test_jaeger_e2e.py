@@ -80,6 +80,15 @@ def _check_nested(child: dict, parent: dict) -> None:
     assert child["startTime"] + child["duration"] <= parent["startTime"] + parent["duration"]
 
 
+def _check_started_within(server: dict, client: dict) -> None:
+    """A server span starts inside its client's span; it may end after it.
+
+    The server's middleware ends its span after the last byte of the response is sent, so a
+    client that has read the response can end its own span first (seen in CI: 363 µs later).
+    """
+    assert client["startTime"] <= server["startTime"] <= client["startTime"] + client["duration"]
+
+
 @pytest.mark.parametrize("protocol", [GRPC, HTTP])
 def test_app_trace_in_jaeger_through_the_collector(stack, protocol):
     service = f"otel-generate-e2e-{protocol.replace('/', '-')}"
@@ -259,7 +268,7 @@ def test_serve_request_in_one_trace_with_the_openai_clients_span(stack, tmp_path
     assert tags[A.GEN_AI_USAGE_OUTPUT_TOKENS] == usage.completion_tokens
     assert tags[A.GEN_AI_USAGE_INPUT_TOKENS] == usage.prompt_tokens
     _check_nested(request, post)
-    _check_nested(post, client)
+    _check_started_within(post, client)
 
 
 # =============================================================================================
