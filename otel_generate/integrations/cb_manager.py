@@ -43,7 +43,7 @@ YIELD_EVERY = 16
 #: How often a manager reads the wall clock again to place its monotonic times on it, nanoseconds.
 OFFSET_REFRESH_NS = 10 * clock.NS_PER_S
 
-_STATE_LOCK = threading.Lock()
+STATE_LOCK = threading.Lock()
 #: every manager state alive (for ``uninstrument()``: the requests still in flight)
 _LIVE_STATES: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
@@ -315,7 +315,7 @@ def state_of(manager: Any, telemetry: emit.Telemetry) -> ManagerState:
     state = manager.__dict__.get(STATE_ATTR)
     if state is not None and state.telemetry is telemetry:
         return state
-    with _STATE_LOCK:
+    with STATE_LOCK:
         state = manager.__dict__.get(STATE_ATTR)
         if state is None or state.telemetry is not telemetry:
             state = ManagerState(telemetry, manager)

@@ -19,9 +19,10 @@ What one request becomes on its way to a :class:`~otel_generate.request.Request`
 * :class:`Outcome`: the finished record as numbers
   (:func:`otel_generate.integrations.cb_derive.derive`), which becomes the ``Request``.
 
-The scheduler-thread entries are built with ``_new(Type, (a, b, c))`` (``tuple.__new__``), not
-``Type(a, b, c)``: a ``NamedTuple``'s own ``__new__`` is a Python function, and the hooks run once
-per batch step (``benchmarks/cb_step_hook.py`` counts what each costs).
+The scheduler-thread entries are built with ``new_entry(Type, (a, b, c))`` (``tuple.__new__``), not
+``Type(a, b, c)``: a ``NamedTuple``'s own ``__new__`` is a Python function. On CPython 3.11 that
+costs about 2,700 instructions more than a tuple literal, ``new_entry`` about 1,070 (BENCHMARKS.md,
+``benchmarks/cb_step_hook.py``); the hooks run once per batch step.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ CHILD_SEPARATOR = "__child#"
 #: Finish reason of a request cancelled with ``cancel_request`` (the package-wide name, kept here too).
 FINISH_REASON_CANCELLED = A.FINISH_REASON_CANCELLED
 
-#: ``_new(NamedTupleType, (fields...))``: a named entry without a Python-level call (the hot path's constructor).
-_new = tuple.__new__
+#: ``new_entry(NamedTupleType, (fields...))``: a named entry without a Python-level call (the hot path's).
+new_entry = tuple.__new__
 
 
 # --- the scheduler thread's logs --------------------------------------------------------------------

@@ -57,8 +57,8 @@ from otel_generate import clock, emit, ranks
 from otel_generate._faults import log_fault_once
 from otel_generate._patch import Patches
 from otel_generate.integrations.cb_manager import (
-    _STATE_LOCK,
     STATE_ATTR,
+    STATE_LOCK,
     ManagerState,
     PagedGroup,
     end_in_flight,
@@ -72,8 +72,8 @@ from otel_generate.integrations.cb_records import (
     Cancel,
     CBRecord,
     Delivery,
-    _new,
     eos_set,
+    new_entry,
 )
 
 __all__ = [
@@ -127,7 +127,7 @@ def install(patches: Patches, telemetry: emit.Telemetry) -> None:
             )
             return
         try:
-            with _STATE_LOCK:
+            with STATE_LOCK:
                 telemetry.start_emitter(patches)  # the scheduler thread never builds a span itself
             manager, router = module.ContinuousBatchingManager, module.OutputRouter
             patches.replace(manager, "add_request", make_add_request, telemetry)
@@ -329,14 +329,14 @@ def _log_step(state: ManagerState, manager: Any, args: tuple, kwargs: dict, star
     io = processor.inputs_and_outputs
     batch = getattr(io, "requests_in_batch", None)
     if batch is not None:  # sync mode: the batch this iteration ran and updated
-        state.steps.append(_new(BatchLog, (start, end, batch)))
+        state.steps.append(new_entry(BatchLog, (start, end, batch)))
         return
     # async mode: this iteration launched one batch and updated the previous one
     bootstrapping = args[1] if len(args) > 1 else kwargs.get("bootstrapping", False)
     pairs, current = io.io_pairs, io.current_pair
     launched = pairs[1 - current].host_io.requests_in_batch
     updated = None if bootstrapping else pairs[current].host_io.requests_in_batch
-    state.steps.append(_new(AsyncBatchLog, (start, end, launched, updated)))
+    state.steps.append(new_entry(AsyncBatchLog, (start, end, launched, updated)))
 
 
 def _make_deliver(original: Callable, telemetry: emit.Telemetry, single: bool) -> Callable:
@@ -352,7 +352,9 @@ def _make_deliver(original: Callable, telemetry: emit.Telemetry, single: bool) -
             try:
                 outputs = args[0] if args else kwargs.get("output" if single else "outputs")
                 body = state.body
-                state.delivered.append(_new(Delivery, (clock.monotonic_ns(), [outputs] if single else outputs, body)))
+                state.delivered.append(
+                    new_entry(Delivery, (clock.monotonic_ns(), [outputs] if single else outputs, body))
+                )
                 state.last_delivery_body = body
                 state.trigger()  # before the caller can see the output: a flush then waits for its span
             except Exception as fault:
