@@ -14,16 +14,18 @@ derive everything else later, off the scheduler thread:
 * ``ContinuousBatchingManager._generation_loop_body`` (the scheduler thread, once per loop
   iteration): one clock read at the end of a batch step (the start is where the previous step
   ended, one more read after an idle wait) and, while a timed request is in flight, one append
-  of ``(start, end, the batch's list of requests)``. No device synchronization: transformers has
+  of a :class:`~.cb_records.BatchLog` (start, end, the batch's list of requests; an
+  :class:`~.cb_records.AsyncBatchLog` in async mode). No device synchronization: transformers has
   already waited for the device before the body returns (sync mode: the compute stream's
   ``synchronize()`` and the ``.tolist()`` of the new tokens; async mode: the device-to-host
   event of the batch it updates).
 * ``OutputRouter.deliver`` / ``deliver_batch`` (the scheduler thread, when outputs are handed
-  over): one append of ``(clock, outputs)``, and the background emitter is woken (at most one
-  job pending per manager).
+  over): one append of a :class:`~.cb_records.Delivery` (clock, outputs, loop iteration), and the
+  background emitter is woken (at most one job pending per manager).
 * ``ContinuousBatchingManager.cancel_request`` (the caller): a cancelled request never produces
   an output; its span ends with finish reason ``cancelled`` (not an error, :mod:`otel_generate.cancellation`)
-  after the batch step running at that moment, counting the batch steps that gave it a token.
+  after the batch step running at that moment, counting the batch steps that gave it a token
+  (one :class:`~.cb_records.Cancel` appended).
 
 Derivation, on the :class:`~otel_generate.background.BackgroundEmitter`'s thread: which batch
 steps each request took part in (``prefill`` chunks with no token, the step that produced its
