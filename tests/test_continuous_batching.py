@@ -33,6 +33,7 @@ capi = pytest.importorskip(
     "transformers.generation.continuous_batching.continuous_api",
     reason="this transformers has no continuous batching",
 )
+from otel_generate.integrations import cb_derive  # noqa: E402
 from otel_generate.integrations import continuous_batching as CB  # noqa: E402
 
 if CB.missing_features(capi):
@@ -460,14 +461,14 @@ def test_a_fault_for_one_request_loses_no_other_span(
     instrumented, tracer_provider, span_exporter, llama, monkeypatch, caplog
 ):
     plain = plain_generate_batch(llama, PROMPTS, greedy())
-    original = CB._finish_reason
+    original = cb_derive.finish_reason
 
     def failing(output, eos):
         if output.request_id == "req_0":
             raise RuntimeError("injected accounting fault")
         return original(output, eos)
 
-    monkeypatch.setattr(CB, "_finish_reason", failing)
+    monkeypatch.setattr(cb_derive, "finish_reason", failing)
     with caplog.at_level(logging.WARNING, logger="otel_generate"):
         outputs = llama.generate_batch(
             inputs=PROMPTS, generation_config=greedy(), continuous_batching_config=small_config()
@@ -516,33 +517,6 @@ def test_uninstrument_removes_the_hooks(tracer_provider, span_exporter, llama):
     llama.generate_batch(inputs=PROMPTS, generation_config=greedy(), continuous_batching_config=small_config())
     tracer_provider.force_flush()
     assert request_spans(span_exporter) == []
-
-
-# --- async batching (CUDA): the derivation, fed the logs it would get -------------------------------
-
-
-class _Future:
-    def __init__(self, request_id, has_new_token):
-        self.state = type("State", (), {"request_id": request_id})()
-        self.has_new_token = has_new_token
-
-
-def test_async_batch_steps_run_from_launch_to_update():
-    """Async batching launches batch j in loop iteration j and applies its tokens in iteration j+1:
-    its step runs from the start of the first to the end of the second; the last batch ends when it is
-    delivered after the loop."""
-    state = CB._ManagerState.__new__(CB._ManagerState)
-    state.steps, state.records, state.pending_async = CB.collections.deque(), {}, {}
-    state.step_number, state.submitting = 0, 0
-    record = CB._Record("req_0", start_ns=0, start_wall_ns=0, sequences=1)
-    record.timed = True
-    state.records["req_0"] = record
-    batches = [[_Future("req_0", True)] for _ in range(3)]
-    # iteration 1 (bootstrapping) launches batch 0; iterations 2, 3 launch 1, 2 and update 0, 1
-    state.steps.extend([(10, 20, batches[0], None), (20, 30, batches[1], batches[0]), (30, 40, batches[2], batches[1])])
-    state._ingest_steps()
-    state._close_async(55)  # the update after the loop, delivered at 55
-    assert [(s[1], s[2]) for s in record.steps["req_0"]] == [(10, 30), (20, 40), (30, 55)]
 
 
 def test_token_latency_profiler_gets_continuous_batching_requests(llama):
