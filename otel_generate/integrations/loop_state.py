@@ -239,6 +239,7 @@ class Call(CallFrame):
         for loop in self.loops:
             loop.release()
         self.loops = []
+        self.window = None  # a Whisper window holds its attempts (loops)
 
 
 class Loop(LoopFrame):
