@@ -66,8 +66,9 @@ import otel_generate
 from otel_generate import GenerateInstrumentor, _faults, clock
 from otel_generate import attributes as A
 from otel_generate.bench.models import build_model
-from otel_generate.integrations import generate_loop
+from otel_generate.integrations import loop_state
 from otel_generate.integrations import step_hook as _recorder
+from otel_generate.integrations._routing import _ACTIVE
 
 LOGGER = "otel_generate"
 
@@ -377,8 +378,8 @@ def test_two_thousand_requests_do_not_grow_memory_held_by_the_package(gpt2, mete
     assert counter.requests == 2000 and counter.steps == 4000
     # a constant (caches, the fault log) is allowed; 1800 requests leaking even 3 bytes each is not
     assert after_2000 - after_200 <= 4096, (after_200, after_2000)
-    assert _alive(generate_loop.Call) == _alive(generate_loop.Loop) == [] and _alive(_recorder.StepRecorder) == []
-    assert generate_loop._ACTIVE.get() is None
+    assert _alive(loop_state.Call) == _alive(loop_state.Loop) == [] and _alive(_recorder.StepRecorder) == []
+    assert _ACTIVE.get() is None
     assert otel_context.get_current() == before
 
 
@@ -391,7 +392,7 @@ def test_request_state_dies_with_its_request(instrumented, span_exporter, gpt2):
     """
     ids, mask = prompt(length=5)
     created = []
-    originals = {cls: cls.__init__ for cls in (generate_loop.Call, generate_loop.Loop, _recorder.StepRecorder)}
+    originals = {cls: cls.__init__ for cls in (loop_state.Call, loop_state.Loop, _recorder.StepRecorder)}
 
     def tracking(cls):
         def init(self, *args, **kwargs):
@@ -419,7 +420,7 @@ def test_request_state_dies_with_its_request(instrumented, span_exporter, gpt2):
                 except ValueError:
                     out = None
                 del out
-                assert generate_loop._ACTIVE.get() is None
+                assert _ACTIVE.get() is None
                 assert created, "the instrumentation did not run"
                 alive = [type(ref()).__name__ for ref in created if ref() is not None]
                 assert alive == [], f"{alive} outlived generate({kwargs}) (kept alive by a reference cycle)"
@@ -1033,7 +1034,7 @@ def test_span_processor_raising_does_not_break_generate(where, fresh_fault_log, 
     assert messages, "the fault was not logged"
     kinds = [m.split(" failed ")[0] for m in messages]
     assert len(kinds) == len(set(kinds)), messages  # once per kind, not once per request
-    assert generate_loop._ACTIVE.get() is None
+    assert _ACTIVE.get() is None
 
 
 def _fault_records(caplog):
@@ -1119,4 +1120,4 @@ def test_clock_raising_never_breaks_generate(
     for request in request_spans(span_exporter):  # whatever request span is exported says so
         assert request.attributes.get(A.GENERATE_STEPS_INCOMPLETE) is True
     assert len(request_spans(span_exporter)) == 2  # even a request that could not start is exported, marked
-    assert generate_loop._ACTIVE.get() is None
+    assert _ACTIVE.get() is None

@@ -1,9 +1,11 @@
 """Opt-in content of a ``generate()`` request: messages, step token ids, step log-probabilities.
 
 Nothing here runs unless ``instrument()`` was asked for content (:mod:`otel_generate.content`):
-then :class:`~.generate_loop.Call` calls :func:`fill_request` once, after ``generate()``
-returned, and, for log-probabilities only, the ``_get_logits_processor`` hook (:func:`install`)
-appends one :class:`StepLogprobs` processor to the loop's logits processors. The step hook
+then each request gets :data:`CAPTURE` as its ``Call.content`` (a
+:class:`~.loop_state.ContentCapture`, attached by :func:`.generate_loop.run_request`), whose
+:meth:`~_Capture.fill` (:func:`fill_request`) runs once, after ``generate()`` returned and its loops
+were accounted; and, for log-probabilities only, the ``_get_logits_processor`` hook
+(:func:`install`) appends one :class:`StepLogprobs` processor to the loop's logits processors. The step hook
 (:mod:`.step_hook`) is never changed: with content off, no code of this module runs per step.
 
 Where text comes from: a tokenizer, either the ``tokenizer=`` keyword of ``generate()`` (the one
@@ -44,10 +46,12 @@ from otel_generate import emit
 from otel_generate._faults import LOGGER_NAME, log_fault_once
 from otel_generate._patch import Patches
 from otel_generate.content import input_messages, output_messages
-from otel_generate.integrations import generate_loop, pipelines
+from otel_generate.integrations import pipelines
+from otel_generate.integrations._routing import _ACTIVE, _sequences, compiler_disabled, strategy_of
+from otel_generate.integrations.loop_state import Loop
 from otel_generate.tokens import _as_id_list
 
-#: The ``GenerationMixin`` method :func:`get_logits_processor_wrapper` wraps.
+#: The ``GenerationMixin`` method :func:`make_get_logits_processor` wraps.
 LOGITS_PROCESSOR_METHOD = "_get_logits_processor"
 
 #: Strategies that run ``GenerationMixin._sample``: one processed distribution per step, one token per row.
@@ -97,7 +101,7 @@ def fill_request(call: Any, loops: Sequence[Any], result: Any) -> None:
     """Fill ``call.request``'s content fields; never raises (a fault is logged once).
 
     Args:
-        call: the finished :class:`~otel_generate.integrations.generate_loop.Call`.
+        call: the finished :class:`~otel_generate.integrations.loop_state.Call`.
         loops: its decoding loops that ran (already accounted), in order.
         result: what the user's call returned (``None`` when it raised).
     """
@@ -108,6 +112,21 @@ def fill_request(call: Any, loops: Sequence[Any], result: Any) -> None:
     finally:
         for loop in loops:
             loop.step_logprobs = None  # holds the last step's scores tensor
+
+
+class _Capture:
+    """The :class:`~.loop_state.ContentCapture` of every request while content is captured (no
+    state of its own: what it reads is on the call and its loops)."""
+
+    __slots__ = ()
+
+    def fill(self, call: Any, loops: Sequence[Any], result: Any) -> None:
+        """:func:`fill_request`."""
+        fill_request(call, loops, result)
+
+
+#: Attached to each request as ``Call.content`` while content is captured.
+CAPTURE = _Capture()
 
 
 def _fill(call: Any, loops: Sequence[Any], result: Any) -> None:
@@ -125,9 +144,9 @@ def _fill(call: Any, loops: Sequence[Any], result: Any) -> None:
                 if prompts is not None:
                     request.input_messages = input_messages(prompts)
             counts = request.output_tokens_per_sequence
-            if single is not None and single.whisper is None:
+            if single is not None and single.window is None:
                 sequences, prompt_length = (
-                    generate_loop._sequences(single.result if single.result is not None else result),
+                    _sequences(single.result if single.result is not None else result),
                     single.prompt_length,
                 )
                 if sequences is not None and prompt_length is not None and len(counts) == int(sequences.shape[0]):
@@ -140,7 +159,7 @@ def _fill(call: Any, loops: Sequence[Any], result: Any) -> None:
                 # several inner calls, or a Whisper window (Whisper keeps only the segments between
                 # timestamp pairs and may drop the tokens after the last one): the text is what the
                 # user's call returned
-                sequences = generate_loop._sequences(result)
+                sequences = _sequences(result)
                 if sequences is not None and _is_id_tensor(sequences):
                     texts = [tokenizer.decode(row, skip_special_tokens=True) for row in sequences.tolist()]
                     reasons = (
@@ -153,7 +172,7 @@ def _fill(call: Any, loops: Sequence[Any], result: Any) -> None:
         cap = call.telemetry.max_step_spans
         token_ids: List[List[int]] = []
         for loop in loops:
-            sequences = generate_loop._sequences(loop.result if loop.result is not None else result)
+            sequences = _sequences(loop.result if loop.result is not None else result)
             if sequences is None or loop.prompt_length is None or not _is_id_tensor(sequences):
                 token_ids.extend([] for _ in loop.step_tokens)
                 continue
@@ -166,7 +185,7 @@ def _fill(call: Any, loops: Sequence[Any], result: Any) -> None:
             and single.step_logprobs is not None
             and all(t == 1 for t in request.step_tokens)
         ):
-            sequences = generate_loop._sequences(single.result if single.result is not None else result)
+            sequences = _sequences(single.result if single.result is not None else result)
             steps = min(len(request.step_tokens), cap)
             if sequences is not None and single.prompt_length is not None:
                 values = single.step_logprobs.values_per_step(sequences, single.prompt_length, steps)
@@ -265,10 +284,10 @@ def make_get_logits_processor(original: Callable, telemetry: emit.Telemetry) -> 
     @functools.wraps(original)
     def _get_logits_processor(self, *args, **kwargs):
         processors = original(self, *args, **kwargs)
-        loop = generate_loop._ACTIVE.get()
+        loop = _ACTIVE.get()
         if (
             telemetry.active
-            and isinstance(loop, generate_loop.Loop)
+            and isinstance(loop, Loop)
             and loop.model is self
             and loop.step_logprobs is None
             and loop.call.timed
@@ -276,7 +295,7 @@ def make_get_logits_processor(original: Callable, telemetry: emit.Telemetry) -> 
         ):
             try:
                 config = kwargs.get("generation_config", args[0] if args else None)
-                if generate_loop.strategy_of(config, loop.kwargs.get("assistant_model")) in LOGPROB_STRATEGIES:
+                if strategy_of(config, loop.kwargs.get("assistant_model")) in LOGPROB_STRATEGIES:
                     recorder = StepLogprobs()
                     processors.append(recorder)
                     loop.step_logprobs = recorder
@@ -284,7 +303,7 @@ def make_get_logits_processor(original: Callable, telemetry: emit.Telemetry) -> 
                 log_fault_once("step log-probabilities install", fault)
         return processors
 
-    return generate_loop.compiler_disabled(_get_logits_processor)
+    return compiler_disabled(_get_logits_processor)
 
 
 def install(patches: Patches, telemetry: emit.Telemetry, mixin: type) -> None:

@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterator
 from otel_generate import emit
 from otel_generate._faults import log_fault_once
 from otel_generate._patch import Patches
-from otel_generate.integrations.generate_loop import compiler_disabled, current_call, run_request
+from otel_generate.integrations._routing import compiler_disabled, current_call
+from otel_generate.integrations.generate_loop import run_request
 
 
 def make_outer_generate(original: Callable, telemetry: emit.Telemetry) -> Callable:

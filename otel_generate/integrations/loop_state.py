@@ -1,0 +1,375 @@
+"""State of a ``generate()`` producer: one user call (:class:`Call`) and its decoding loops (:class:`Loop`).
+
+A user's ``model.generate(...)`` is one request (a :class:`Call`), whatever class it was called
+on: ``GenerationMixin.generate`` itself, a model class's own ``generate()`` (Whisper, Blip-2,
+Bark, MusicGen, ...; see :mod:`.overrides`) or a ``custom_generate`` function. Each decoding
+loop inside it is a :class:`Loop`: normally exactly one, the ``GenerationMixin.generate`` the
+user called; several when a model's ``generate()`` calls the base one per window or per
+fallback attempt (Whisper) or per sub-model (Bark).
+
+These classes hold what the hooks (:mod:`.generate_loop`) learn, plus their small lifecycle
+(start the span, open and close a loop, let go of tensors). Turning that state into the
+request's numbers is :mod:`.accounting`'s.
+
+Other producers attach small objects instead of being called by name:
+
+* :class:`Window` (``Call.window``, ``Loop.window``): Whisper's current 30-second window, whose
+  temperature attempts are the call's loops (:mod:`.whisper`);
+* :class:`RowSource` (``Loop.paged``): the continuous-batching requests a
+  ``generate(..., cache_implementation="paged")`` handed its rows to (:mod:`.continuous_batching`);
+* :class:`ContentCapture` (``Call.content``): opt-in content capture (:mod:`.generate_content`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from otel_generate import attributes as A
+from otel_generate import clock, emit, figures
+from otel_generate._faults import log_fault_once
+from otel_generate.integrations._routing import (
+    ROW_ALIGNED,
+    CallFrame,
+    LoopFrame,
+    _is_tensor,
+    custom_generate_name,
+    loop_strategy,
+    model_name,
+)
+from otel_generate.integrations.streamer import _TimedStreamer
+from otel_generate.request import Request
+from otel_generate.tokens import step_tokens
+
+#: Keywords this package adds to ``generate()``; they never reach transformers.
+CALLBACK_KWARG = "per_token_latency_callback"
+TRACK_KWARG = "track_token_latency"
+
+
+class Window(Protocol):
+    """A group of a call's loops, attached as ``Call.window`` by another producer (Whisper's window)."""
+
+    def on_open(self, loop: "Loop") -> None:
+        """A loop of the call opened (not an implicit one): it may join the group (``loop.window``)."""
+
+    def attributes(self, loop: "Loop") -> Tuple[Dict[str, Any], Optional[set]]:
+        """The loop's grouping-span attributes, and the positions of its rows whose result was kept
+        (``None``: all)."""
+
+
+class RowSource(Protocol):
+    """Where a loop's rows really ran (``Loop.paged``): it fills the loop's numbers itself."""
+
+    def account(self, loop: "Loop") -> None:
+        """Fill ``loop``'s steps, tokens, finish reasons and parameters."""
+
+
+class ContentCapture(Protocol):
+    """Opt-in content of the call (``Call.content``), filled once its loops are accounted."""
+
+    def fill(self, call: "Call", loops: List["Loop"], result: Any) -> None:
+        """Fill ``call.request``'s content fields; never raises."""
+
+
+class Call(CallFrame):
+    """Producer state of one user call of ``generate()``: the request span, the record, its loops.
+
+    Args:
+        telemetry: from ``instrument()``.
+        model: the model the user called ``generate()`` on (names the request).
+        args, kwargs: the call's arguments (``self``/``model`` excluded); ``kwargs`` is the dict
+            passed on to the original, so a streamer in it is replaced by a timing proxy.
+        extras: this package's own ``generate()`` keywords, already removed from ``kwargs``.
+        custom_generate: the ``custom_generate`` that the call runs (a string or a callable).
+
+    Raises:
+        Whatever starting the span or the first clock read raises (a broken span processor): the
+        caller then runs ``generate()`` uninstrumented, and the started span is ended marked
+        incomplete.
+    """
+
+    def __init__(
+        self,
+        telemetry: emit.Telemetry,
+        model: Any,
+        args: tuple,
+        kwargs: dict,
+        extras: dict,
+        custom_generate: Any = None,
+    ) -> None:
+        self.telemetry = telemetry
+        self.model = model
+        self.args = args
+        self.kwargs = kwargs
+        self.callback: Optional[Callable[[int, float], None]] = extras.get(CALLBACK_KWARG)
+        track = (
+            extras[TRACK_KWARG] if TRACK_KWARG in extras else getattr(self.user_generation_config(), TRACK_KWARG, False)
+        )
+        self.track = bool(track)  # the generate() keyword overrides the GenerationConfig, as for every option
+        self.profilers = tuple(telemetry.profilers())
+        self.name = model_name(model)
+        self.loops: List[Loop] = []
+        #: the call is a model's own generate() (or a custom_generate) whose loops are inner calls
+        #: (Whisper's windows, Bark's sub-models): set by run_request
+        self.outer = False
+        self.custom_generate = custom_generate_name(
+            custom_generate if custom_generate is not None else kwargs.get("custom_generate")
+        )
+        self.sync: Optional[Callable[[], None]] = None
+        self.streamer: Optional[_TimedStreamer] = None
+        self.window: Optional[Window] = None  # the current Whisper window (see .whisper)
+        self.content: Optional[ContentCapture] = None  # attached when content is captured
+        self._submodules: Optional[set] = None
+        self.memory_device: Optional[str] = None
+
+        self.span = emit.start_request_span(telemetry, self.name)
+        try:
+            # The full record (memory, cache size, streamer timing, ...) only when someone reads it: a
+            # recorded span, a profiler, a callback, or track_token_latency.
+            self.detailed = self.span.is_recording() or bool(self.profilers) or self.callback is not None or self.track
+            # Steps are timed for those, and for the latency metrics, which are recorded for every
+            # request, sampled or not, whenever a meter provider collects them. Otherwise generate()
+            # runs exactly as uninstrumented.
+            self.timed = self.detailed or telemetry.metrics_live()
+            synchronized = bool(telemetry.synchronize)
+            device = None
+            if self.timed:
+                devices = list(clock.devices_of(model))
+                device = str(devices[-1]) if devices else None
+                if telemetry.synchronize:
+                    try:
+                        self.sync = clock.synchronizer_for(devices)
+                    except ValueError as fault:  # a device type with no synchronize we know of
+                        synchronized = False
+                        log_fault_once("device synchronize", fault)
+            self.request = Request(
+                model=self.name, start_ns=0, start_wall_ns=0, timed=self.timed, synchronized=synchronized, device=device
+            )
+            self.memory_device = (
+                figures.cuda_device(device) if self.detailed and telemetry.options.measure_memory else None
+            )
+            self.synchronize()
+            self.memory(figures.reset_peak_memory)
+            self.request.start_ns = clock.monotonic_ns()
+            self.request.start_wall_ns = clock.wall_ns()
+        except BaseException:
+            # The caller runs generate() uninstrumented; the started span says why it has no data.
+            if self.span.is_recording():
+                self.span.set_attribute(A.GENERATE_STEPS_INCOMPLETE, True)
+            self.span.end()
+            raise
+        streamer = kwargs.get("streamer")
+        if streamer is not None:
+            self.request.parameters[A.GEN_AI_REQUEST_STREAM] = True
+            if self.detailed:
+                self.streamer = kwargs["streamer"] = _TimedStreamer(streamer)
+        self.context_token = otel_context.attach(trace.set_span_in_context(self.span))
+
+    def user_generation_config(self) -> Any:
+        """The ``GenerationConfig`` the user passed (keyword or second positional), else the model's."""
+        config = self.kwargs.get("generation_config")
+        if config is None and len(self.args) > 1 and not _is_tensor(self.args[1]):
+            config = self.args[1]
+        if config is None:
+            config = getattr(self.model, "generation_config", None)
+        return config
+
+    def owns(self, model: Any) -> bool:
+        """Whether ``model``'s ``generate()`` is part of this request: the model itself or one of its
+        submodules (Blip-2's language model, Bark's sub-models); walked once, when first needed."""
+        if model is self.model:
+            return True
+        if self._submodules is None:
+            modules = getattr(self.model, "modules", None)
+            try:
+                self._submodules = {id(m) for m in modules()} if callable(modules) else set()
+            except Exception:
+                self._submodules = set()
+        return id(model) in self._submodules
+
+    def open_loop(self, model: Any, kwargs: dict, implicit: bool = False, start_ns: Optional[int] = None) -> "Loop":
+        """A new decoding loop of this request, started now (or at ``start_ns``)."""
+        loop = Loop(self, model, kwargs, implicit, start_ns)
+        self.loops.append(loop)
+        if self.window is not None and not implicit:
+            self.window.on_open(loop)
+        return loop
+
+    def implicit_loop(self, model: Any) -> "Loop":
+        """The loop of a ``generate()`` that runs the GenerationMixin helpers without
+        ``GenerationMixin.generate`` (MusicGen, RAG-token, Dia): opened by the first helper."""
+        if self.loops and self.loops[-1].implicit and not self.loops[-1].closed:
+            return self.loops[-1]
+        return self.open_loop(model, {}, implicit=True)
+
+    def on_fault(self, kind: str, exc: BaseException) -> None:
+        if kind == "step hook":
+            self.request.incomplete = True
+        log_fault_once(kind, exc)
+
+    def memory(self, read: Callable[[str], Any]) -> Any:
+        """A CUDA memory statistic of the request's device (``None`` off CUDA); a failing one is
+        logged once and not read again in this request."""
+        if self.memory_device is None:
+            return None
+        try:
+            return read(self.memory_device)
+        except Exception as fault:
+            self.memory_device = None
+            log_fault_once("memory statistics", fault)
+            return None
+
+    def synchronize(self) -> None:
+        """Wait for the device; a failing synchronize is logged once, then no longer used."""
+        if self.sync is None:
+            return
+        try:
+            self.sync()
+        except Exception as fault:
+            self.sync = None
+            self.request.synchronized = False
+            self.request.incomplete = True
+            log_fault_once("device synchronize", fault)
+
+    def release(self) -> None:
+        """Let go of the loops: their recorders call back into this call, so the call (prompt
+        tensors, the caller's kwargs) is freed when generate() returns, not at a later gc."""
+        for loop in self.loops:
+            loop.release()
+        self.loops = []
+        self.window = None  # a Whisper window holds its attempts (loops)
+
+
+class Loop(LoopFrame):
+    """One decoding loop of a request: a ``GenerationMixin.generate`` call, or the implicit loop of
+    a model that runs the GenerationMixin helpers itself. Filled by the helper hooks; accounted
+    (:func:`.accounting.account_loop`) from its own result tensor when it ends."""
+
+    def __init__(self, call: Call, model: Any, kwargs: dict, implicit: bool, start_ns: Optional[int] = None) -> None:
+        self.call = call
+        self.model = model
+        self.kwargs = kwargs
+        self.implicit = implicit
+        self.start_ns = clock.monotonic_ns() if start_ns is None else start_ns
+        self.end_ns: Optional[int] = None
+        self.closed = False
+        self.generation_config: Any = None
+        self.prompt_length: Optional[int] = None
+        self.inputs_tensor: Any = None
+        self.model_input_name: Any = None
+        self.recorder: Any = None
+        self.criteria: Any = None
+        self.assisted_generator: Optional[str] = None
+        self.window: Optional[Window] = None  # the Whisper window this loop is an attempt of
+        self.step_logprobs: Any = None  # opt-in content: set by generate_content's logits-processor hook
+        self.result: Any = None
+        self.cache: Any = None  # the key/value cache object, until the loop returns
+        self.kv_cache_bytes: Optional[int] = None
+        self.candidates_proposed: Optional[int] = None  # assisted decoding (figures.count_candidates)
+        self.candidates_accepted: Optional[int] = None
+        #: the continuous-batching requests this loop handed its rows to (``cache_implementation="paged"``),
+        #: a :class:`RowSource` (continuous_batching's ``PagedGroup``), or ``None``
+        self.paged: Optional[RowSource] = None
+        # what accounting fills
+        self.step_ends_ns: List[int] = []
+        self.step_tokens: List[int] = []
+        self.step_starts_ns: Optional[List[int]] = None  # explicit step starts (batch steps), else contiguous
+        self.step_requests: Optional[List[int]] = None
+        self.prefill_steps = 1
+        self.queue_ns: Optional[int] = None
+        self.parameters: Dict[str, Any] = {}
+        self.input_tokens: Optional[int] = None
+        self.output_tokens: Optional[int] = None
+        self.per_sequence: List[int] = []
+        self.finish_reasons: Optional[List[str]] = None
+        self.unobserved: Optional[str] = None
+        self.incomplete = False
+        self.uninstrumented = False  # uninstrument() ran before this loop's hooks were all reached
+        # the temperature of this attempt, read now: Whisper changes the same config for the next one
+        config = kwargs.get("generation_config")
+        self.temperature: Optional[float] = None
+        if config is not None:
+            self.temperature = float(config.temperature or 0.0) if getattr(config, "do_sample", False) else 0.0
+
+    @property
+    def running(self) -> bool:
+        """Its decoding loop has started (the stopping criteria are installed) and not ended."""
+        return self.criteria is not None and not self.closed
+
+    def observed(self) -> bool:
+        """Whether this loop reached the decoding machinery (a dispatching call, e.g. the outer
+        ``generate(custom_generate="dir")``, never does)."""
+        return self.generation_config is not None or self.recorder is not None or self.paged is not None
+
+    def release(self) -> None:
+        self.recorder = self.criteria = self.result = self.cache = self.paged = None
+
+    def strategy(self) -> Optional[str]:
+        """``generate.strategy`` of this loop, once its ``GenerationConfig`` is known."""
+        return loop_strategy(self.generation_config, self.kwargs)
+
+    # --- hooks called from inside generate() ------------------------------------------------
+    def on_generated_length(
+        self, generation_config: Any, input_ids_length: Any, inputs_tensor: Any, model_input_name: Any
+    ) -> None:
+        """From ``GenerationMixin._prepare_generated_length``: the effective config and prompt width."""
+        self.generation_config = generation_config
+        if input_ids_length is not None:
+            self.prompt_length = int(input_ids_length)
+        self.inputs_tensor = inputs_tensor
+        self.model_input_name = model_input_name
+
+    def recording_criteria(self, criteria: Any, generation_config: Any) -> Any:
+        """``_get_stopping_criteria``'s list, as a :class:`RecordingCriteriaList` feeding this loop."""
+        from otel_generate.integrations.step_hook import RecordingCriteriaList, StepRecorder
+
+        if self.generation_config is None:
+            self.generation_config = generation_config
+        strategy = self.strategy()
+        call = self.call
+        self.recorder = StepRecorder(
+            call.sync,
+            clock.monotonic_ns,
+            self.start_ns,
+            self.prompt_length if self.prompt_length is not None else 0,
+            call.on_fault,
+            call.callback,
+            skip_candidate_calls=call.telemetry.skip_candidate_calls and strategy == A.STRATEGY_ASSISTED,
+            # one is_done row per returned sequence (not beam search's flattened candidates)
+            keep_done=strategy in ROW_ALIGNED,
+            token_offset=sum(sum(loop.step_tokens or _tokens_so_far(loop)) for loop in call.loops if loop is not self),
+        )
+        self.criteria = RecordingCriteriaList(criteria, self.recorder)
+        return self.criteria
+
+    def close(self, result: Any = None, read_clock: bool = True) -> None:
+        """The loop returned (``result``) or raised; ``read_clock=False`` when it ends with its
+        request, whose (synchronized) end time it then takes."""
+        self.closed = True
+        self.result = result
+        self.size_cache(result)
+        if read_clock:
+            self.call.synchronize()
+            self.end_ns = clock.monotonic_ns()
+
+    def size_cache(self, result: Any = None) -> None:
+        """``kv_cache_bytes`` from the cache object the loop built (or, with transformers 4.x's legacy
+        tuples, the ``past_key_values`` of its output), once; then the cache is let go."""
+        if self.cache is None and self.call.detailed:
+            self.cache = getattr(result, "past_key_values", None)
+        if self.cache is not None:
+            try:
+                self.kv_cache_bytes = figures.cache_bytes(self.cache)
+            except Exception as fault:
+                log_fault_once("key/value cache size", fault)
+            self.cache = None
+
+
+def _tokens_so_far(loop: Loop) -> List[int]:
+    """Tokens per step a loop has recorded so far (it may still be running)."""
+    recorder = loop.recorder
+    if recorder is None:
+        return []
+    return step_tokens(list(recorder.lengths), loop.prompt_length if loop.prompt_length is not None else 0)
