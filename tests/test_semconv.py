@@ -143,7 +143,9 @@ class SlowFirstStep(LogitsProcessor):
 
 def test_exemplars_point_at_the_request_spans(instrumented, span_exporter, tracer_provider, metric_reader, gpt2):
     """The SDK's default reservoir keeps the last exemplar of each bucket: the two requests'
-    times to first token fall in different buckets (one sleeps 50 ms in prefill), so both are kept."""
+    times to first token fall in different buckets (one sleeps 1.1 s in prefill, past the 1 s bucket
+    bound; the other's prefill takes well under that even on a loaded machine, where a 50 ms sleep
+    was not enough to separate them), so both are kept."""
     ids, mask = prompt(seed=16)
     tracer = tracer_provider.get_tracer("app")
     with tracer.start_as_current_span("handle_request") as app:
@@ -152,7 +154,7 @@ def test_exemplars_point_at_the_request_spans(instrumented, span_exporter, trace
             attention_mask=mask,
             max_new_tokens=3,
             eos_token_id=None,
-            logits_processor=LogitsProcessorList([SlowFirstStep(0.05)]),
+            logits_processor=LogitsProcessorList([SlowFirstStep(1.1)]),
         )
     gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None)  # outside any span
     requests = {s.context.span_id for s in request_spans(span_exporter)}
