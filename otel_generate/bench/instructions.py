@@ -38,7 +38,7 @@ work the instrumentation adds, resolved to well under 0.1 % of a call; the time 
 
 Configurations (``--configurations``, comma-separated; default all): see :data:`CONFIGURATIONS`.
 
-Errors: :class:`~otel_generate.bench.harness.BenchUsageError` (exit status 2) when valgrind is not
+Errors: :class:`~otel_generate.bench.config.BenchUsageError` (exit status 2) when valgrind is not
 installed, on invalid input, or when the process under valgrind fails.
 """
 
@@ -56,8 +56,10 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from otel_generate.bench import harness as H
-from otel_generate.bench.harness import BenchConfig, BenchUsageError
+from otel_generate.bench.config import BenchConfig, BenchUsageError, require_module
+from otel_generate.bench.environment import machine, versions
+from otel_generate.bench.exporters import make_exporters
+from otel_generate.bench.workload import Runner, model_description, sequences_of
 
 #: ``name: (description, instrument() keywords, sampled)``; ``plain`` is uninstrumented.
 CONFIGURATIONS: Dict[str, Tuple[str, Optional[Dict[str, Any]], bool]] = {
@@ -142,7 +144,7 @@ def validate(config: BenchConfig) -> None:
     if config.calls_high <= config.calls_low:
         raise BenchUsageError(f"--calls-high must be above --calls-low, got {config.calls_high} and {config.calls_low}")
     config.configurations = ",".join(parse_configurations(config.configurations))
-    H._require(
+    require_module(
         "opentelemetry.sdk",
         "--instructions needs the OpenTelemetry SDK: pip install opentelemetry-sdk (the package's [bench] extra)",
     )
@@ -296,7 +298,7 @@ def result_document(
             "instructions per call = (Ir(high) - Ir(low)) / (calls_high - calls_low), Ir summed over all threads"
         ),
         "environment": dict(SINGLE_THREAD_ENV, torch_threads=config.threads),
-        "machine": H.machine("cpu"),
+        "machine": machine("cpu"),
         "model": child["model"],
         "parameters": child["parameters"],
         "device": "cpu",
@@ -369,7 +371,7 @@ def _child(spec_path: str) -> None:
 
     from otel_generate import GenerateInstrumentor
 
-    runner = H._Runner(config, "cpu")
+    runner = Runner(config, "cpu")
     labels: List[str] = []
 
     def mark(label: str) -> None:
@@ -383,7 +385,7 @@ def _child(spec_path: str) -> None:
         _, options, sampled = CONFIGURATIONS[name]
         instrumentor = tracer_provider = meter_provider = exporter = None
         if options is not None:
-            exporter, reader = H.make_exporters(config.exporter)
+            exporter, reader = make_exporters(config.exporter)
             tracer_provider = TracerProvider() if sampled else TracerProvider(sampler=ParentBased(ALWAYS_OFF))
             tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
             meter_provider = MeterProvider(metric_readers=[reader])
@@ -410,7 +412,7 @@ def _child(spec_path: str) -> None:
                 output = runner.generate()
             flush()
             mark(f"{name} {part}")
-            sequences = H._sequences(output)
+            sequences = sequences_of(output)
             if reference is None:
                 reference = sequences
             identical = identical and bool(torch.equal(sequences, reference))
@@ -444,8 +446,8 @@ def _child(spec_path: str) -> None:
         "labels": labels,
         "configurations": spec["configurations"],
         "runs": runs,
-        "versions": H.versions(),
-        "model": H.model_description(config, runner.model),
+        "versions": versions(),
+        "model": model_description(config, runner.model),
         "parameters": int(sum(p.numel() for p in runner.model.parameters())),
     }
     with open(spec["result"], "w", encoding="utf-8") as handle:
