@@ -12,7 +12,6 @@ import pytest
 
 from otel_generate import GenerateInstrumentor
 from otel_generate.bench import continuous
-from otel_generate.bench import runner as bench_runner
 from otel_generate.bench.cli import main
 from otel_generate.bench.config import BenchConfig
 
@@ -51,7 +50,7 @@ def test_waves_interleave_plain_and_instrumented_and_report_paired_numbers(monke
 
     monkeypatch.setattr(continuous._Waves, "wave", wave)
     config = BenchConfig(continuous_batching=True, requests=2, new_tokens=3, warmup=1, runs=2)
-    result = bench_runner.run(config)
+    result = continuous.run(config)
     cmp = result["compare"]
     assert result["mode"] == "continuous_batching" and result["requests"] == 2
     assert instrumented_at_wave == [False, True] * 3  # 1 warmup pair, then 2 pairs, A B A B

@@ -1,8 +1,9 @@
 """The benchmark tool, ``otel-generate bench``: a package of its own, apart from the instrumentation.
 
-* :mod:`otel_generate.bench.cli`: the ``otel-generate`` command line (also ``python -m otel_generate``);
+* :mod:`otel_generate.bench.cli`: the ``otel-generate`` command line (also ``python -m otel_generate``),
+  and :func:`~otel_generate.bench.cli.run`, which picks the mode;
 * :mod:`otel_generate.bench.runner`: the ``generate()`` bench (measured runs, ``--compare``, the result
-  document, its summary) and :func:`~otel_generate.bench.runner.run`, the entry point of every mode;
+  document, its summary);
 * :mod:`otel_generate.bench.continuous`: ``--continuous-batching``;
   :mod:`otel_generate.bench.instructions`: ``--instructions`` (callgrind);
 * :mod:`otel_generate.bench.common`: what the ``generate()`` and continuous-batching benches share (the
@@ -18,9 +19,12 @@
 * :mod:`otel_generate.bench.stats`: samples, medians and interquartile ranges;
 * :mod:`otel_generate.bench.plot`: the per-token latency plot.
 
-The bench imports the instrumentation core (``otel_generate``, and ``otel_generate.clock``, ``.stats``,
-``.tokens``); the core never imports the bench. Within the bench, imports run one way: config, models,
-environment, monitor, stats, plot → workload, exporters → common → runner, continuous, instructions → cli
-(``runner.run`` reaches the two other modes through imports inside the function).
+The bench imports the instrumentation core: the package (``GenerateInstrumentor``,
+``TokenLatencyProfiler``), ``otel_generate.clock``, ``.stats``, ``.tokens``, ``.options`` and
+``.version``; the core never imports the bench. One check reaches further, inside a function and
+only when a ``--continuous-batching`` run starts: the continuous-batching integration's own
+``missing_features`` (:func:`otel_generate.bench.continuous.check_supported`). Within the bench,
+imports run one way: config, models, environment, monitor, stats, plot → workload, exporters →
+common → runner, continuous, instructions (and its child process, instructions_child) → cli.
 Importing this package imports nothing else.
 """

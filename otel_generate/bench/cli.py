@@ -3,8 +3,8 @@
 Subcommands:
 
 * ``bench``: time ``generate()`` and (``--compare``) what the instrumentation costs; see
-  :mod:`otel_generate.bench.runner` (and its modes, :mod:`otel_generate.bench.continuous`,
-  :mod:`otel_generate.bench.instructions`).
+  :mod:`otel_generate.bench.runner`, and for its other modes :mod:`otel_generate.bench.continuous`
+  and :mod:`otel_generate.bench.instructions` (:func:`run` picks the mode).
 
 Exit status: 0 on success, 2 on invalid input (argparse's convention: the subcommand's usage and
 a message on stderr, nothing written).
@@ -19,7 +19,7 @@ import sys
 import tempfile
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from otel_generate.bench import runner
+from otel_generate.bench import continuous, instructions, runner
 from otel_generate.bench.config import DEVICES, DTYPES, EXPORTERS, MODEL_EOS, SAMPLERS, BenchConfig, BenchUsageError
 from otel_generate.bench.instructions import CONFIGURATIONS, DEFAULT_CALLS_HIGH, DEFAULT_CALLS_LOW
 from otel_generate.bench.instructions import DEFAULT_NEW_TOKENS as INSTRUCTIONS_NEW_TOKENS
@@ -244,14 +244,26 @@ def summary_text(result: Dict[str, Any]) -> str:
     :func:`otel_generate.bench.instructions.summary_text`.
     """
     if result.get("mode") == "instructions":
-        from otel_generate.bench.instructions import summary_text as instructions_summary
-
-        return instructions_summary(result)
+        return instructions.summary_text(result)
     if result.get("mode") == "continuous_batching":
-        from otel_generate.bench.continuous import summary_text as continuous_summary
-
-        return continuous_summary(result)
+        return continuous.summary_text(result)
     return runner.summary_text(result)
+
+
+def run(config: BenchConfig) -> Dict[str, Any]:
+    """The result document of the mode ``config`` asks for (nothing is written here):
+    :func:`otel_generate.bench.continuous.run` (``--continuous-batching``),
+    :func:`otel_generate.bench.instructions.run` (``--instructions``), else
+    :func:`otel_generate.bench.runner.run` (``generate()``, ``--compare``).
+
+    Raises:
+        BenchUsageError: invalid input, before anything runs.
+    """
+    if config.continuous_batching:
+        return continuous.run(config)
+    if config.instructions:
+        return instructions.run(config)
+    return runner.run(config)
 
 
 def _write_atomically(path: str, write: Callable[[str], None]) -> None:
@@ -281,7 +293,7 @@ def main_bench(config: BenchConfig, stdout: Any = None, stderr: Any = None) -> i
     """
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
-    result = runner.run(config)
+    result = run(config)
     text = json.dumps(result, indent=2)
     if config.plot is not None:
         from otel_generate.bench.plot import plot_latencies

@@ -180,6 +180,10 @@ class InstrumentedSide:
         self.meter_provider.shutdown()
 
 
+#: The ``order`` of every A/B result.
+ORDER = "A B A B (plain, then instrumented, per pair); deferred work finished after each B, untimed by A or B"
+
+
 @dataclass
 class Pairs:
     """What :func:`interleave` measured: one entry per pair, seconds; spans and bytes after the warmup."""

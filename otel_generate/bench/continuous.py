@@ -32,7 +32,7 @@ import math
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from otel_generate.bench.common import InstrumentedSide, begin, document_head, finish, interleave, torch_threads
+from otel_generate.bench.common import ORDER, InstrumentedSide, begin, document_head, finish, interleave, torch_threads
 from otel_generate.bench.config import BenchConfig, BenchUsageError
 from otel_generate.bench.monitor import LoadMonitor
 from otel_generate.bench.stats import median_iqr_text, with_iqr
@@ -188,7 +188,7 @@ def compare_waves(waves: _Waves, monitor: Optional[LoadMonitor] = None) -> Dict[
     added, added_deferred = pairs.added_us_per_step(plain_steps)
     result: Dict[str, Any] = {
         "pairs": config.runs,
-        "order": "A B A B (plain, then instrumented, per pair); deferred work finished after each B, untimed by A or B",
+        "order": ORDER,
         "plain": "the manager with no hook of this package (uninstrumented)",
         "instrumented": side.description,
         "deferred": (

@@ -30,8 +30,8 @@ The workload is a :class:`~otel_generate.bench.workload.Runner`: a model, its in
 call each run times. The A/B loop and the instrumented side are shared with the
 continuous-batching bench (``--continuous-batching --requests N``: waves of requests on one
 persistent manager, :mod:`otel_generate.bench.continuous`) in :mod:`otel_generate.bench.common`.
-:func:`run` is the entry point of every mode: it hands ``--continuous-batching`` and
-``--instructions`` (:mod:`otel_generate.bench.instructions`) to their modules.
+``--instructions`` is :mod:`otel_generate.bench.instructions`; :func:`otel_generate.bench.cli.run`
+picks the mode.
 
 Units: ``*_s`` keys are seconds, ``*_ms`` milliseconds, ``*_us`` microseconds.
 
@@ -45,7 +45,7 @@ import gc
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from otel_generate.bench.common import InstrumentedSide, begin, document_head, finish, interleave, torch_threads
+from otel_generate.bench.common import ORDER, InstrumentedSide, begin, document_head, finish, interleave, torch_threads
 from otel_generate.bench.config import BenchConfig
 from otel_generate.bench.monitor import LoadMonitor
 from otel_generate.bench.stats import make_sample, median_iqr_text, summarize, with_iqr
@@ -219,7 +219,7 @@ def _compare_pairs(
     added, added_deferred = pairs.added_us_per_step(steps)
     result: Dict[str, Any] = {
         "pairs": config.runs,
-        "order": "A B A B (plain, then instrumented, per pair); deferred work finished after each B, untimed by A or B",
+        "order": ORDER,
         "runs": "runs of their own, separate from the measured (profiled) runs of the headline",
         "plain": "GenerationMixin.generate uninstrumented (the original function; no wrapper runs)"
         if not side.once
@@ -279,7 +279,8 @@ def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> 
     thread count is set to ``config.threads`` for the run and restored afterwards. The load
     average is read throughout (:class:`~otel_generate.bench.monitor.LoadMonitor`); ``warnings``
     lists what makes the numbers less trustworthy (a busy machine, a flush that timed out).
-    ``--continuous-batching`` and ``--instructions`` are handed to their modules.
+    The other modes have their own ``run`` (:func:`otel_generate.bench.continuous.run`,
+    :func:`otel_generate.bench.instructions.run`); :func:`otel_generate.bench.cli.run` picks the mode.
 
     Raises:
         BenchUsageError: invalid input (see :meth:`BenchConfig.validate`,
@@ -287,14 +288,6 @@ def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> 
             :func:`~otel_generate.bench.workload.check_lengths`, :func:`~otel_generate.bench.workload.resolve_eos`).
         ValueError: a timed call whose clock did not advance.
     """
-    if config.continuous_batching:
-        from otel_generate.bench import continuous
-
-        return continuous.run(config, clock)
-    if config.instructions:
-        from otel_generate.bench import instructions
-
-        return instructions.run(config)
     monitor, device = begin(config, uninstrumented=config.compare)
     with torch_threads(config.threads):
         import torch
