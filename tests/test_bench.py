@@ -635,6 +635,51 @@ def test_unsupported_plot_extension_exits_2_and_writes_nothing(tmp_path, capsys,
 # --- --compare ----------------------------------------------------------------------------------------
 
 
+def test_the_shared_ab_loop_alternates_plain_and_instrumented_and_counts_after_the_warmup():
+    """common.interleave, with no model: a stand-in side whose calls take known times and export 3 spans."""
+
+    class Exporter:
+        spans, bytes = 0, 0
+
+    class Side:
+        exporter, metric_reader, flushes_complete = Exporter(), object(), False
+        log = []
+
+        def plain(self, timed):
+            self.log.append("A")
+            return timed()
+
+        def run(self, timed):
+            self.log.append("B")
+            self.exporter.spans += 3
+            self.exporter.bytes += 100
+            return timed(), 0.5, 0.25  # (output, seconds), trace flush, metric flush
+
+    side = Side()
+    times = iter([1.0, 2.0, 4.0, 6.0, 2.0, 3.0])  # warmup pair, then two measured pairs
+    recorded = []
+    pairs = common.interleave(
+        side,
+        lambda: ("out", next(times)),
+        BenchConfig(warmup=1, runs=2),
+        lambda a, elapsed, b: recorded.append((a, elapsed, b)),
+    )
+    assert side.log == ["A", "B"] * 3 and side.flushes_complete is True
+    assert pairs.plain_s == [4.0, 2.0] and pairs.instrumented_s == [6.0, 3.0]
+    assert pairs.deferred_s == [0.75, 0.75] and recorded == [("out", 4.0, "out"), ("out", 2.0, "out")]
+    assert pairs.spans_exported_after == [3, 6] and pairs.spans_exported == 6  # the warmup's 3 left out
+    assert pairs.exported_bytes == 200 and pairs.exported_bytes_total == 300
+    assert pairs.ratios() == ([6.0 / 4.0, 3.0 / 2.0], [6.75 / 4.0, 3.75 / 2.0])
+    assert pairs.added_us_per_step([4, 2]) == ([0.5e6, 0.5e6], [2.75 / 4 * 1e6, 1.75 / 2 * 1e6])
+    assert list(pairs.timings()) == [
+        "plain_elapsed_s",
+        "instrumented_elapsed_s",
+        "deferred_trace_flush_s",
+        "deferred_metric_flush_s",
+        "instrumented_deferred_s",
+    ]
+
+
 def test_compare_interleaves_plain_and_instrumented_and_reports_paired_numbers(monkeypatch):
     instrumented_at_call = []
     original = workload.Runner.timed
