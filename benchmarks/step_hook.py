@@ -40,7 +40,7 @@ import transformers
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from otel_generate import clock
-from otel_generate.bench.harness import cpu_model
+from otel_generate.bench.environment import cpu_model
 from otel_generate.integrations.step_hook import RecordingCriteriaList, StepRecorder
 from otel_generate.version import __version__
 

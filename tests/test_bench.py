@@ -21,8 +21,10 @@ import torch
 
 from otel_generate import GenerateInstrumentor, clock
 from otel_generate import attributes as A
-from otel_generate.bench import harness, stats
+from otel_generate.bench import common, exporters, monitor, stats, workload
+from otel_generate.bench import runner as bench_runner
 from otel_generate.bench.cli import main
+from otel_generate.bench.config import BenchConfig, BenchUsageError
 from otel_generate.bench.models import PAD_TOKEN_ID, build_model
 from otel_generate.tokens import count_new_tokens
 
@@ -37,7 +39,7 @@ def run_cli(*argv):
 def no_eos_continuation(batch_size, new_tokens, prompt_tokens=4, seed=0):
     """What the harness's model generates for its seeded prompt with EOS off (computed apart from the harness)."""
     model = build_model("gpt2", seed=seed)
-    inputs = harness.make_inputs(model, batch_size, prompt_tokens, seed)
+    inputs = workload.make_inputs(model, batch_size, prompt_tokens, seed)
     out = model.generate(
         **inputs, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=PAD_TOKEN_ID
     )
@@ -74,22 +76,22 @@ def check_schema(doc):
         "median_time_to_first_token_ms": NUMBER + (type(None),),
         "median_time_per_output_token_ms": NUMBER + (type(None),),
     }
-    assert set(types) == set(harness.RESULT_KEYS)
+    assert set(types) == set(bench_runner.RESULT_KEYS)
     for key, kind in types.items():
         if key not in doc:
             problems.append(f"missing {key}")
         elif isinstance(doc[key], bool) or not isinstance(doc[key], kind):
             problems.append(f"{key} is {type(doc[key]).__name__}")
     # every median has its interquartile range: [25th, 75th percentile] (None only with the median)
-    assert {"iqr_" + k[len("median_") :] for k in types if k.startswith("median_")} == set(harness.IQR_KEYS)
-    for key in harness.IQR_KEYS:
+    assert {"iqr_" + k[len("median_") :] for k in types if k.startswith("median_")} == set(bench_runner.IQR_KEYS)
+    for key in bench_runner.IQR_KEYS:
         value, median = doc.get(key, "missing"), doc.get("median_" + key[len("iqr_") :])
         if value is None and median is None:
             continue
         if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, NUMBER) for v in value)):
             problems.append(f"{key} is not [q1, q3]")
     versions = doc.get("versions") if isinstance(doc.get("versions"), dict) else {}
-    for key in harness.VERSION_KEYS:
+    for key in bench_runner.VERSION_KEYS:
         if not isinstance(versions.get(key), str):
             problems.append(f"versions.{key} missing")
     samples = doc.get("samples") if isinstance(doc.get("samples"), list) else []
@@ -176,7 +178,7 @@ def test_interquartile_range_of_known_values():
 
 
 def test_schema_check_rejects_a_document_missing_a_key():
-    doc = {key: 0 for key in harness.RESULT_KEYS}
+    doc = {key: 0 for key in bench_runner.RESULT_KEYS}
     assert check_schema(doc)  # wrong types and missing versions are reported
     assert any(
         "missing median_tokens_per_s" in p
@@ -218,16 +220,16 @@ def test_each_measured_run_is_one_synchronized_generate_between_two_clock_reads(
         now[0] += 0.25
         return now[0]
 
-    monkeypatch.setattr(harness, "synchronizer_for", lambda device: lambda: log.append("sync"))
-    original = harness._Runner.generate
+    monkeypatch.setattr(workload, "synchronizer_for", lambda device: lambda: log.append("sync"))
+    original = workload.Runner.generate
 
     def generate(self):
         log.append("call")
         return original(self)
 
-    monkeypatch.setattr(harness._Runner, "generate", generate)
-    config = harness.BenchConfig(new_tokens=3, warmup=2, runs=3)
-    result = harness.run(config, clock=fake_clock)
+    monkeypatch.setattr(workload.Runner, "generate", generate)
+    config = BenchConfig(new_tokens=3, warmup=2, runs=3)
+    result = bench_runner.run(config, clock=fake_clock)
     # warmup calls are not timed; each measured run: sync, clock, generate, sync, clock
     assert log == ["call"] * 2 + ["sync", "clock", "call", "sync", "clock"] * 3
     assert [s["elapsed_s"] for s in result["samples"]] == [0.25] * 3
@@ -251,8 +253,8 @@ def test_each_measured_run_is_one_synchronized_generate_between_two_clock_reads(
     ],
 )
 def test_invalid_counts_raise(changes, message):
-    with pytest.raises(harness.BenchUsageError, match=message):
-        harness.BenchConfig(**changes).validate()
+    with pytest.raises(BenchUsageError, match=message):
+        BenchConfig(**changes).validate()
 
 
 @pytest.mark.parametrize(
@@ -265,14 +267,14 @@ def test_invalid_counts_raise(changes, message):
     ],
 )
 def test_invalid_lengths_raise(prompt, new, positions, message):
-    with pytest.raises(harness.BenchUsageError, match=message):
-        harness.check_lengths(prompt, new, positions)
+    with pytest.raises(BenchUsageError, match=message):
+        workload.check_lengths(prompt, new, positions)
 
 
 def test_lengths_that_fit_exactly_are_accepted():
-    harness.check_lengths(2048, 1, 2048)
-    harness.check_lengths(4, 2045, 2048)  # positions 0..2047 are fed
-    harness.check_lengths(10_000, 10, None)  # no position limit known (relative positions)
+    workload.check_lengths(2048, 1, 2048)
+    workload.check_lengths(4, 2045, 2048)  # positions 0..2047 are fed
+    workload.check_lengths(10_000, 10, None)  # no position limit known (relative positions)
 
 
 @pytest.mark.parametrize(
@@ -395,7 +397,7 @@ def _fake_load(monkeypatch, load, cores=2, age=600.0):
 
     monkeypatch.setattr(os, "getloadavg", getloadavg)
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
-    monkeypatch.setattr(harness, "process_age_s", lambda: age)
+    monkeypatch.setattr(monitor, "process_age_s", lambda: age)
     return readings
 
 
@@ -472,7 +474,7 @@ def test_cpu_run_never_calls_a_cuda_function(monkeypatch, tmp_path):
 
 
 def test_three_new_tokens_are_counted_and_the_rate_is_tokens_over_elapsed():
-    result = harness.run(harness.BenchConfig(new_tokens=3, warmup=0, runs=2))
+    result = bench_runner.run(BenchConfig(new_tokens=3, warmup=0, runs=2))
     for sample in result["samples"]:
         assert sample["new_tokens"] == 3 and sample["new_tokens_per_sequence"] == [3]
         assert sample["tokens_per_s"] == sample["new_tokens"] / sample["elapsed_s"]
@@ -507,7 +509,7 @@ def test_batch_of_two_with_one_row_ending_early_counts_each_row():
     expected = [new, new]
     expected[row] = first_index(rows[row], token) + 1
     assert rows[1 - row][-1] != PAD_TOKEN_ID  # the full row does not end in what looks like padding
-    result = harness.run(harness.BenchConfig(new_tokens=new, warmup=0, runs=2, batch_size=2, eos=str(token)))
+    result = bench_runner.run(BenchConfig(new_tokens=new, warmup=0, runs=2, batch_size=2, eos=str(token)))
     for sample in result["samples"]:
         assert sample["new_tokens_per_sequence"] == expected
         assert sample["new_tokens"] == sum(expected)
@@ -515,27 +517,27 @@ def test_batch_of_two_with_one_row_ending_early_counts_each_row():
 
 
 def test_counting_matches_count_new_tokens_on_the_returned_tensor():
-    config = harness.BenchConfig(new_tokens=5, batch_size=2, eos="model")
-    runner = harness._Runner(config, "cpu")
+    config = BenchConfig(new_tokens=5, batch_size=2, eos="model")
+    runner = workload.Runner(config, "cpu")
     out = runner.generate()
     assert runner.counts(out) == count_new_tokens(out, 4, [runner.model.generation_config.eos_token_id], PAD_TOKEN_ID)
 
 
 def test_eos_without_id_uses_the_model_eos():
     model = build_model("gpt2")
-    assert harness.resolve_eos(harness.BenchConfig(eos="model"), model) == [model.generation_config.eos_token_id]
-    assert harness.resolve_eos(harness.BenchConfig(), model) is None
-    with pytest.raises(harness.BenchUsageError, match="outside the model's vocabulary"):
-        harness.resolve_eos(harness.BenchConfig(eos="100000"), model)
+    assert workload.resolve_eos(BenchConfig(eos="model"), model) == [model.generation_config.eos_token_id]
+    assert workload.resolve_eos(BenchConfig(), model) is None
+    with pytest.raises(BenchUsageError, match="outside the model's vocabulary"):
+        workload.resolve_eos(BenchConfig(eos="100000"), model)
 
 
 def test_prompt_avoids_special_tokens_and_is_seeded():
     model = build_model("gpt2")
-    a = harness.make_inputs(model, 3, 50, seed=1)
-    b = harness.make_inputs(model, 3, 50, seed=1)
+    a = workload.make_inputs(model, 3, 50, seed=1)
+    b = workload.make_inputs(model, 3, 50, seed=1)
     assert torch.equal(a["input_ids"], b["input_ids"]) and a["input_ids"].shape == (3, 50)
     assert torch.equal(a["attention_mask"], torch.ones(3, 50, dtype=torch.long))
-    specials = set(harness.special_token_ids(model))
+    specials = set(workload.special_token_ids(model))
     assert specials >= {0, 127} and not (set(a["input_ids"].flatten().tolist()) & specials)
 
 
@@ -621,7 +623,7 @@ def test_plot_is_written_in_the_format_its_extension_names(tmp_path, extension, 
 @pytest.mark.parametrize("name", ["latency.jpg", "latency.jpeg", "latency", "latency.png.txt"])
 def test_unsupported_plot_extension_exits_2_and_writes_nothing(tmp_path, capsys, monkeypatch, name):
     ran = []
-    monkeypatch.setattr(harness, "measure", lambda *a, **k: ran.append(1))
+    monkeypatch.setattr(bench_runner, "measure", lambda *a, **k: ran.append(1))
     plot, out = tmp_path / name, tmp_path / "out.json"
     assert run_cli("--plot", str(plot), "--output", str(out)) == 2
     err = capsys.readouterr().err
@@ -633,16 +635,61 @@ def test_unsupported_plot_extension_exits_2_and_writes_nothing(tmp_path, capsys,
 # --- --compare ----------------------------------------------------------------------------------------
 
 
+def test_the_shared_ab_loop_alternates_plain_and_instrumented_and_counts_after_the_warmup():
+    """common.interleave, with no model: a stand-in side whose calls take known times and export 3 spans."""
+
+    class Exporter:
+        spans, bytes = 0, 0
+
+    class Side:
+        exporter, metric_reader, flushes_complete = Exporter(), object(), False
+        log = []
+
+        def plain(self, timed):
+            self.log.append("A")
+            return timed()
+
+        def run(self, timed):
+            self.log.append("B")
+            self.exporter.spans += 3
+            self.exporter.bytes += 100
+            return timed(), 0.5, 0.25  # (output, seconds), trace flush, metric flush
+
+    side = Side()
+    times = iter([1.0, 2.0, 4.0, 6.0, 2.0, 3.0])  # warmup pair, then two measured pairs
+    recorded = []
+    pairs = common.interleave(
+        side,
+        lambda: ("out", next(times)),
+        BenchConfig(warmup=1, runs=2),
+        lambda a, elapsed, b: recorded.append((a, elapsed, b)),
+    )
+    assert side.log == ["A", "B"] * 3 and side.flushes_complete is True
+    assert pairs.plain_s == [4.0, 2.0] and pairs.instrumented_s == [6.0, 3.0]
+    assert pairs.deferred_s == [0.75, 0.75] and recorded == [("out", 4.0, "out"), ("out", 2.0, "out")]
+    assert pairs.spans_exported_after == [3, 6] and pairs.spans_exported == 6  # the warmup's 3 left out
+    assert pairs.exported_bytes == 200 and pairs.exported_bytes_total == 300
+    assert pairs.ratios() == ([6.0 / 4.0, 3.0 / 2.0], [6.75 / 4.0, 3.75 / 2.0])
+    assert pairs.added_us_per_step([4, 2]) == ([0.5e6, 0.5e6], [2.75 / 4 * 1e6, 1.75 / 2 * 1e6])
+    assert list(pairs.timings()) == [
+        "plain_elapsed_s",
+        "instrumented_elapsed_s",
+        "deferred_trace_flush_s",
+        "deferred_metric_flush_s",
+        "instrumented_deferred_s",
+    ]
+
+
 def test_compare_interleaves_plain_and_instrumented_and_reports_paired_numbers(monkeypatch):
     instrumented_at_call = []
-    original = harness._Runner.timed
+    original = workload.Runner.timed
 
     def timed(self):
         instrumented_at_call.append(GenerateInstrumentor().is_instrumented_by_opentelemetry)
         return original(self)
 
-    monkeypatch.setattr(harness._Runner, "timed", timed)
-    result = harness.run(harness.BenchConfig(new_tokens=4, warmup=1, runs=3, compare=True))
+    monkeypatch.setattr(workload.Runner, "timed", timed)
+    result = bench_runner.run(BenchConfig(new_tokens=4, warmup=1, runs=3, compare=True))
     cmp = result["compare"]
     # measured runs (profiler: instrumented), then compare: warmup pair, then 3 pairs, A B A B; then the
     # same with the instrumentor set up once and kept (its plain runs under suppress_instrumentation())
@@ -680,10 +727,10 @@ def test_compare_instrument_once_instruments_once_and_its_plain_runs_record_noth
 
     monkeypatch.setattr(GenerateInstrumentor, "instrument", instrument)
     monkeypatch.setattr(GenerateInstrumentor, "uninstrument", uninstrument)
-    runner = harness._Runner(harness.BenchConfig(new_tokens=3, warmup=1, runs=2), "cpu")
-    side = harness.InstrumentedSide(runner.config, runner.clock, once=True)
+    runner = workload.Runner(BenchConfig(new_tokens=3, warmup=1, runs=2), "cpu")
+    side = common.InstrumentedSide(runner.config, runner.clock, once=True)
     assert calls == {"instrument": 1, "uninstrument": 0}
-    once = harness._compare_pairs(runner, side, None, "pair")  # 1 warmup pair, 2 pairs; shuts the side down
+    once = bench_runner._compare_pairs(runner, side, None, "pair")  # 1 warmup pair, 2 pairs; shuts the side down
     assert calls == {"instrument": 1, "uninstrument": 1}  # kept for every instrumented run, removed at the end
     # the plain runs under suppress_instrumentation() exported nothing: only the instrumented runs' spans
     assert once["spans_exported_after_each_flush"] == [4, 8]
@@ -709,7 +756,7 @@ def test_compare_finishes_deferred_work_after_each_instrumented_call_and_charges
     from opentelemetry.sdk.trace import TracerProvider
 
     log = []
-    original_timed = harness._Runner.timed
+    original_timed = workload.Runner.timed
     original_trace_flush, original_meter_flush = TracerProvider.force_flush, MeterProvider.force_flush
 
     def timed(self):
@@ -724,7 +771,7 @@ def test_compare_finishes_deferred_work_after_each_instrumented_call_and_charges
         log.append("meter flush")
         return original_meter_flush(self, *a, **k)
 
-    monkeypatch.setattr(harness._Runner, "timed", timed)
+    monkeypatch.setattr(workload.Runner, "timed", timed)
     monkeypatch.setattr(TracerProvider, "force_flush", trace_flush)
     monkeypatch.setattr(MeterProvider, "force_flush", meter_flush)
     now = [0.0]
@@ -733,7 +780,7 @@ def test_compare_finishes_deferred_work_after_each_instrumented_call_and_charges
         now[0] += 0.25
         return now[0]
 
-    result = harness.run(harness.BenchConfig(new_tokens=4, warmup=1, runs=3, compare=True), clock=fake_clock)
+    result = bench_runner.run(BenchConfig(new_tokens=4, warmup=1, runs=3, compare=True), clock=fake_clock)
     cmp = result["compare"]
     # after the 3 measured (profiled) runs: 1 warmup pair and 3 pairs; the flushes come right after
     # each instrumented call, before the next plain call's timer starts
@@ -752,7 +799,7 @@ def test_compare_finishes_deferred_work_after_each_instrumented_call_and_charges
 
 
 def test_compare_each_flush_exports_its_own_run_before_the_next_one():
-    result = harness.run(harness.BenchConfig(new_tokens=4, warmup=1, runs=3, compare=True))
+    result = bench_runner.run(BenchConfig(new_tokens=4, warmup=1, runs=3, compare=True))
     cmp = result["compare"]
     # the flush after each instrumented call exported that call's request span and 4 step spans
     assert cmp["spans_exported_after_each_flush"] == [5, 10, 15]
@@ -775,7 +822,7 @@ def test_otlp_encode_exporter_really_encodes_every_span_as_otlp_protobuf(monkeyp
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
     span_payloads, metric_payloads = [], []
-    encode_spans, encode_metrics = harness.encode_spans_request, harness.encode_metrics_request
+    encode_spans, encode_metrics = exporters.encode_spans_request, exporters.encode_metrics_request
 
     def spy_spans(spans):
         message = encode_spans(spans)
@@ -787,8 +834,8 @@ def test_otlp_encode_exporter_really_encodes_every_span_as_otlp_protobuf(monkeyp
         metric_payloads.append(message.SerializeToString())
         return message
 
-    monkeypatch.setattr(harness, "encode_spans_request", spy_spans)
-    monkeypatch.setattr(harness, "encode_metrics_request", spy_metrics)
+    monkeypatch.setattr(exporters, "encode_spans_request", spy_spans)
+    monkeypatch.setattr(exporters, "encode_metrics_request", spy_metrics)
     argv = ["--new-tokens", "3", "--runs", "2", "--warmup", "0", "--compare", "--exporter", "otlp-encode"]
     assert run_cli(*argv, "--output", "-") == 0
     captured = capsys.readouterr()
@@ -1001,15 +1048,15 @@ def test_model_config_builds_random_weights_of_that_architecture(tmp_path):
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(TINY_LLAMA))
-    result = harness.run(harness.BenchConfig(model_config=str(tmp_path), new_tokens=3, warmup=0, runs=1))
+    result = bench_runner.run(BenchConfig(model_config=str(tmp_path), new_tokens=3, warmup=0, runs=1))
     data = dict(TINY_LLAMA)
     reference = transformers.LlamaForCausalLM(transformers.AutoConfig.for_model(data.pop("model_type"), **data))
     assert result["model"].startswith("LlamaForCausalLM (random weights")
     assert result["parameters"] == sum(p.numel() for p in reference.parameters())
     assert [s["new_tokens"] for s in result["samples"]] == [3]
     # its 32 positions are enforced
-    with pytest.raises(harness.BenchUsageError, match="longer than the model's 32 positions"):
-        harness.run(harness.BenchConfig(model_config=str(path), prompt_tokens=40, warmup=0, runs=1))
+    with pytest.raises(BenchUsageError, match="longer than the model's 32 positions"):
+        bench_runner.run(BenchConfig(model_config=str(path), prompt_tokens=40, warmup=0, runs=1))
 
 
 def test_model_config_that_is_not_a_config_exits_2(tmp_path, capsys):

@@ -11,8 +11,9 @@ import threading
 import pytest
 
 from otel_generate import GenerateInstrumentor
-from otel_generate.bench import continuous, harness
+from otel_generate.bench import continuous
 from otel_generate.bench.cli import main
+from otel_generate.bench.config import BenchConfig
 
 
 def run_cli(*argv):
@@ -48,8 +49,8 @@ def test_waves_interleave_plain_and_instrumented_and_report_paired_numbers(monke
         return original(self)
 
     monkeypatch.setattr(continuous._Waves, "wave", wave)
-    config = harness.BenchConfig(continuous_batching=True, requests=2, new_tokens=3, warmup=1, runs=2)
-    result = harness.run(config)
+    config = BenchConfig(continuous_batching=True, requests=2, new_tokens=3, warmup=1, runs=2)
+    result = continuous.run(config)
     cmp = result["compare"]
     assert result["mode"] == "continuous_batching" and result["requests"] == 2
     assert instrumented_at_wave == [False, True] * 3  # 1 warmup pair, then 2 pairs, A B A B

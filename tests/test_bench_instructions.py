@@ -11,8 +11,9 @@ import shutil
 
 import pytest
 
-from otel_generate.bench import harness, instructions
+from otel_generate.bench import instructions
 from otel_generate.bench.cli import main
+from otel_generate.bench.config import BenchConfig
 
 
 def run_cli(*argv):
@@ -56,7 +57,7 @@ def test_configurations_are_kept_in_order_with_plain_first():
 
 
 def test_difference_method_from_dumps():
-    config = harness.BenchConfig(instructions=True, calls_low=2, calls_high=6, new_tokens=4)
+    config = BenchConfig(instructions=True, calls_low=2, calls_high=6, new_tokens=4)
     labels = ["plain setup", "plain low", "plain gc after low", "plain high", "plain gc after high", "plain teardown"]
     labels += [label.replace("plain", "unsampled") for label in labels]
     # dumps 1..12 (all threads together); low: 2 calls, high: 6 calls

@@ -23,6 +23,7 @@ from test_semconv import histogram_points
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from otel_generate import attributes as A
+from otel_generate.bench.models import build_model
 
 
 def ids(*tokens):
@@ -276,7 +277,7 @@ def test_a_foreign_wrapper_on_a_model_class_is_rewired_by_uninstrument(
         instrumentor.uninstrument()
     assert Local.__dict__["generate"].__wrapped__ is original  # ours taken out, the foreign wrapper kept
     assert not [r for r in caplog.records if "could not remove" in r.getMessage()]
-    model = Local(transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=1, n_head=2)).eval()
+    model = Local(build_model("gpt2", seed=0).config).eval()  # the shared tiny GPT-2, in a class of its own
     x, mask = ids(5, 17, 42, 9)
     model.generate(x, attention_mask=mask, max_new_tokens=2, eos_token_id=None, pad_token_id=0)
     assert calls == [1] and request_spans(span_exporter) == []

@@ -1,5 +1,12 @@
-"""Tiny random-weight models whose own ``generate()`` calls the base one several times, or not at
-all, built from transformers configs on the CPU in well under a second each (nothing downloaded)."""
+"""Test-only tiny random-weight models: those whose own ``generate()`` calls the base one several
+times, or not at all, built from transformers configs on the CPU in well under a second each
+(nothing downloaded).
+
+The models the bench also uses (the tiny GPT-2, Llama and T5, their vocabulary and EOS/padding
+ids) have one builder, :func:`otel_generate.bench.models.build_model`: the ``gpt2``, ``llama``
+and ``t5`` fixtures of ``conftest.py`` and every test that needs one of them call it, so the tests
+time and trace the same model as ``otel-generate bench``. Only models the bench never builds live
+here."""
 
 from __future__ import annotations
 

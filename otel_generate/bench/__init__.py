@@ -1,11 +1,30 @@
 """The benchmark tool, ``otel-generate bench``: a package of its own, apart from the instrumentation.
 
-* :mod:`otel_generate.bench.cli`: the ``otel-generate`` command line (also ``python -m otel_generate``);
-* :mod:`otel_generate.bench.harness`: configuration, the measured runs, ``--compare``, the result document;
-* :mod:`otel_generate.bench.models`: small random-weight models and local checkpoints (nothing downloaded);
+* :mod:`otel_generate.bench.cli`: the ``otel-generate`` command line (also ``python -m otel_generate``),
+  and :func:`~otel_generate.bench.cli.run`, which picks the mode;
+* :mod:`otel_generate.bench.runner`: the ``generate()`` bench (measured runs, ``--compare``, the result
+  document, its summary);
+* :mod:`otel_generate.bench.continuous`: ``--continuous-batching``;
+  :mod:`otel_generate.bench.instructions`: ``--instructions`` (callgrind);
+* :mod:`otel_generate.bench.common`: what the ``generate()`` and continuous-batching benches share (the
+  instrumented side, the A/B loop, the paired figures, the frame of the result document);
+* :mod:`otel_generate.bench.config`: :class:`~otel_generate.bench.config.BenchConfig`, its checks and
+  :class:`~otel_generate.bench.config.BenchUsageError`;
+* :mod:`otel_generate.bench.workload`: the model on its device, its prompt and the one timed call;
+* :mod:`otel_generate.bench.models`: small random-weight models and local checkpoints (nothing downloaded),
+  also the tests' builder;
+* :mod:`otel_generate.bench.environment`, :mod:`otel_generate.bench.monitor`: versions and machine, the
+  load monitor;
+* :mod:`otel_generate.bench.exporters`: the instrumented side's counting (and OTLP-encoding) exporters;
 * :mod:`otel_generate.bench.stats`: samples, medians and interquartile ranges;
 * :mod:`otel_generate.bench.plot`: the per-token latency plot.
 
-The bench imports the instrumentation core (``otel_generate``); the core never imports the bench.
+The bench imports the instrumentation core: the package (``GenerateInstrumentor``,
+``TokenLatencyProfiler``), ``otel_generate.clock``, ``.stats``, ``.tokens``, ``.options`` and
+``.version``; the core never imports the bench. One check reaches further, inside a function and
+only when a ``--continuous-batching`` run starts: the continuous-batching integration's own
+``missing_features`` (:func:`otel_generate.bench.continuous.check_supported`). Within the bench,
+imports run one way: config, models, environment, monitor, stats, plot → workload, exporters →
+common → runner, continuous, instructions (and its child process, instructions_child) → cli.
 Importing this package imports nothing else.
 """

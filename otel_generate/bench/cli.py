@@ -3,7 +3,8 @@
 Subcommands:
 
 * ``bench``: time ``generate()`` and (``--compare``) what the instrumentation costs; see
-  :mod:`otel_generate.bench.harness`.
+  :mod:`otel_generate.bench.runner`, and for its other modes :mod:`otel_generate.bench.continuous`
+  and :mod:`otel_generate.bench.instructions` (:func:`run` picks the mode).
 
 Exit status: 0 on success, 2 on invalid input (argparse's convention: the subcommand's usage and
 a message on stderr, nothing written).
@@ -18,10 +19,11 @@ import sys
 import tempfile
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from otel_generate.bench import harness
-from otel_generate.bench.harness import DEVICES, DTYPES, EXPORTERS, MODEL_EOS, BenchConfig, BenchUsageError
+from otel_generate.bench import continuous, instructions, runner
+from otel_generate.bench.config import DEVICES, DTYPES, EXPORTERS, MODEL_EOS, SAMPLERS, BenchConfig, BenchUsageError
 from otel_generate.bench.instructions import CONFIGURATIONS, DEFAULT_CALLS_HIGH, DEFAULT_CALLS_LOW
 from otel_generate.bench.instructions import DEFAULT_NEW_TOKENS as INSTRUCTIONS_NEW_TOKENS
+from otel_generate.bench.monitor import LOAD_PER_CORE_LIMIT
 from otel_generate.bench.plot import MATPLOTLIB_MISSING, PLOT_FORMATS, plot_format
 
 PROG = "otel-generate"
@@ -31,7 +33,7 @@ BENCH_DESCRIPTION = (
     "continuation tokens, keep every sample; every median comes with its interquartile range (IQR, 25th-75th "
     "percentile). JSON to --output, summary on stderr. The load average is read before, between and after the "
     "runs; the bench warns when the load besides its own (its --threads busy threads, counted in as they enter "
-    f"the 1-minute average) was above {harness.LOAD_PER_CORE_LIMIT} per core, and records every reading in the "
+    f"the 1-minute average) was above {LOAD_PER_CORE_LIMIT} per core, and records every reading in the "
     "JSON under 'load'."
 )
 
@@ -147,7 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--sampler",
-        choices=harness.SAMPLERS,
+        choices=SAMPLERS,
         default="always_on",
         help="--compare: the instrumented side's trace sampler; always_off makes every request unsampled "
         "(no span; its metrics are still recorded), to time what an unsampled request costs (default always_on)",
@@ -234,99 +236,34 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> Benc
 # --------------------------------------------------------------------------------------------
 
 
-def _median_iqr(
-    median: Optional[float], iqr: Optional[Sequence[float]], fmt: str, scale: float = 1.0, unit: str = ""
-) -> str:
-    """``"1.234 ms (IQR 1.200 to 1.300 ms)"``; ``"n/a"`` without a value."""
-    if median is None:
-        return "n/a"
-    unit = f" {unit}" if unit else ""
-    text = f"{format(median * scale, fmt)}{unit}"
-    if iqr is not None:
-        text += f" (IQR {format(iqr[0] * scale, fmt)} to {format(iqr[1] * scale, fmt)}{unit})"
-    return text
-
-
 def summary_text(result: Dict[str, Any]) -> str:
-    """The human-readable summary printed on stderr: every median with its interquartile range."""
+    """The human-readable summary printed on stderr: every median with its interquartile range.
+
+    Each mode writes its own: :func:`otel_generate.bench.runner.summary_text` (``generate()``,
+    ``--compare``), :func:`otel_generate.bench.continuous.summary_text`,
+    :func:`otel_generate.bench.instructions.summary_text`.
+    """
     if result.get("mode") == "instructions":
-        from otel_generate.bench.instructions import summary_text as instructions_summary
-
-        return instructions_summary(result)
+        return instructions.summary_text(result)
     if result.get("mode") == "continuous_batching":
-        from otel_generate.bench.continuous import summary_text as continuous_summary
+        return continuous.summary_text(result)
+    return runner.summary_text(result)
 
-        return continuous_summary(result, _median_iqr)
-    samples = result["samples"]
-    elapsed = [s["elapsed_s"] for s in samples]
-    rates = [s["tokens_per_s"] for s in samples]
-    tokens = sorted({s["new_tokens"] for s in samples})
-    lines = [f"WARNING: {w}" for w in result.get("warnings", [])]
 
-    def r(name: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
-        return _median_iqr(result[f"median_{name}"], result[f"iqr_{name}"], fmt, scale, unit)
+def run(config: BenchConfig) -> Dict[str, Any]:
+    """The result document of the mode ``config`` asks for (nothing is written here):
+    :func:`otel_generate.bench.continuous.run` (``--continuous-batching``),
+    :func:`otel_generate.bench.instructions.run` (``--instructions``), else
+    :func:`otel_generate.bench.runner.run` (``generate()``, ``--compare``).
 
-    lines += [
-        f"otel-generate bench: {result['model']}",
-        f"  device {result['device']}, {result['dtype']}, {result['threads']} thread(s), "
-        f"{result['parameters']:,} parameters",
-        f"  prompt {result['prompt_tokens']} tokens x batch {result['batch_size']}, "
-        f"{result['new_tokens_requested']} new tokens requested (EOS {'on' if result['eos_token_id'] else 'off'}), "
-        f"warmup {result['warmup']}, runs {result['runs']}",
-        f"  measured runs ({len(samples)}, profiled: per-step hook on, for TTFT and TPOT); "
-        f"new tokens per run: {', '.join(map(str, tokens))}",
-        f"  elapsed      median {r('elapsed_s', '.3f', 1e3, 'ms')} "
-        f"(min {min(elapsed) * 1e3:.3f}, max {max(elapsed) * 1e3:.3f})",
-        f"  tokens/s     median {r('tokens_per_s', '.1f')} (min {min(rates):.1f}, max {max(rates):.1f})",
-        f"  time to first token    median {r('time_to_first_token_ms', '.3f', unit='ms')}",
-        f"  time per output token  median {r('time_per_output_token_ms', '.3f', unit='ms')}",
-    ]
-    cmp = result.get("compare")
-    if cmp:
-
-        def m(name: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
-            return _median_iqr(cmp[f"median_{name}"], cmp[f"iqr_{name}"], fmt, scale, unit)
-
-        byte_text = ""
-        if cmp.get("exported_bytes") is not None:
-            byte_text = f", {cmp['exported_bytes']:,} OTLP bytes encoded and discarded"
-            if cmp.get("exported_metric_bytes") is not None:
-                byte_text += f" (+{cmp['exported_metric_bytes']:,} of metrics)"
-        lines += [
-            f"  compare: {cmp['pairs']} pairs of runs of their own (not the measured runs above), "
-            f"plain / instrumented interleaved A B A B, exporter {cmp['exporter']}",
-            f"    plain         median {m('plain_elapsed_s', '.3f', 1e3, 'ms')}, "
-            f"{m('plain_tokens_per_s', '.1f', unit='tokens/s')}",
-            f"    instrumented  median {m('instrumented_elapsed_s', '.3f', 1e3, 'ms')} caller-visible, "
-            f"+ {m('instrumented_deferred_s', '.3f', 1e3, 'ms')} deferred (span and metric flush after the call)",
-            f"    paired ratio instrumented/plain: caller-visible {m('paired_ratio', '.4f')}, "
-            f"with deferred work {m('paired_ratio_with_deferred', '.4f')}",
-            f"    added per step: caller-visible {m('added_us_per_step', '.1f', unit='us')}, "
-            f"with deferred work {m('added_us_per_step_with_deferred', '.1f', unit='us')}",
-            f"    spans exported {cmp['spans_exported']} (expected {cmp['spans_expected']}){byte_text}; "
-            f"outputs identical: {cmp['outputs_identical']}",
-        ]
-        once = cmp.get("instrument_once")
-        if once:
-
-            def o(name: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
-                return _median_iqr(once[f"median_{name}"], once[f"iqr_{name}"], fmt, scale, unit)
-
-            lines += [
-                f"  compare, instrumented once: {once['pairs']} more pairs, the instrumentor set up once and kept "
-                "for every instrumented run (the runs above: instrument()/uninstrument() around each); plain runs "
-                "under suppress_instrumentation()",
-                f"    plain         median {o('plain_elapsed_s', '.3f', 1e3, 'ms')}",
-                f"    instrumented  median {o('instrumented_elapsed_s', '.3f', 1e3, 'ms')} caller-visible, "
-                f"+ {o('instrumented_deferred_s', '.3f', 1e3, 'ms')} deferred",
-                f"    paired ratio instrumented/plain: caller-visible {o('paired_ratio', '.4f')}, "
-                f"with deferred work {o('paired_ratio_with_deferred', '.4f')}",
-                f"    added per step: caller-visible {o('added_us_per_step', '.1f', unit='us')}, "
-                f"with deferred work {o('added_us_per_step_with_deferred', '.1f', unit='us')}",
-                f"    spans exported {once['spans_exported']} (expected {once['spans_expected']}); "
-                f"outputs identical: {once['outputs_identical']}",
-            ]
-    return "\n".join(lines)
+    Raises:
+        BenchUsageError: invalid input, before anything runs.
+    """
+    if config.continuous_batching:
+        return continuous.run(config)
+    if config.instructions:
+        return instructions.run(config)
+    return runner.run(config)
 
 
 def _write_atomically(path: str, write: Callable[[str], None]) -> None:
@@ -351,12 +288,12 @@ def _write_atomically(path: str, write: Callable[[str], None]) -> None:
 def main_bench(config: BenchConfig, stdout: Any = None, stderr: Any = None) -> int:
     """Run, then write ``--plot`` and ``--output`` (each atomically) and the summary on stderr.
 
-    Returns 0. Raises :class:`~otel_generate.bench.harness.BenchUsageError` on invalid input,
+    Returns 0. Raises :class:`~otel_generate.bench.config.BenchUsageError` on invalid input,
     before anything is written.
     """
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
-    result = harness.run(config)
+    result = run(config)
     text = json.dumps(result, indent=2)
     if config.plot is not None:
         from otel_generate.bench.plot import plot_latencies

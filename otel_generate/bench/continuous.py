@@ -28,18 +28,17 @@ plain) / the plain run's batch steps).
 
 from __future__ import annotations
 
-import datetime as _dt
-import gc
 import math
-import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from otel_generate.bench import harness as H
+from otel_generate.bench.common import ORDER, InstrumentedSide, begin, document_head, finish, interleave, torch_threads
+from otel_generate.bench.config import BenchConfig, BenchUsageError
+from otel_generate.bench.monitor import LoadMonitor
+from otel_generate.bench.stats import median_iqr_text, with_iqr
+from otel_generate.bench.workload import build_bench_model, check_lengths, make_inputs, max_positions, resolve_eos
 from otel_generate.clock import synchronizer_for
 
-#: Default ``--requests``.
-DEFAULT_REQUESTS = 16
 #: Tokens per page of the manager's cache.
 PAGE_SIZE = 16
 #: How long one wave may take before the bench gives up, seconds.
@@ -54,19 +53,23 @@ def cache_config(requests: int, prompt_tokens: int, new_tokens: int) -> Dict[str
 
 
 def check_supported(model: Any) -> None:
-    """Raise :class:`~otel_generate.bench.harness.BenchUsageError` unless this transformers' continuous
-    batching can be run and instrumented."""
+    """Raise :class:`~otel_generate.bench.config.BenchUsageError` unless this transformers' continuous
+    batching can be run and instrumented.
+
+    The check is the integration's own (``missing_features``), imported here, when a
+    ``--continuous-batching`` run starts: the bench's modules import only the core at import time.
+    """
     try:
         from transformers.generation.continuous_batching import continuous_api
     except ImportError:
-        raise H.BenchUsageError(
+        raise BenchUsageError(
             "--continuous-batching needs transformers' continuous batching (transformers 5.17 or newer)"
         ) from None
     from otel_generate.integrations.continuous_batching import missing_features
 
     missing = missing_features(continuous_api)
     if missing or not callable(getattr(model, "init_continuous_batching", None)):
-        raise H.BenchUsageError(
+        raise BenchUsageError(
             "--continuous-batching: this transformers' continuous batching cannot be instrumented "
             f"(missing {', '.join(missing) or 'init_continuous_batching'}; transformers 5.17 or newer)"
         )
@@ -75,16 +78,16 @@ def check_supported(model: Any) -> None:
 class _Waves:
     """The persistent manager and the one wave of requests every run submits."""
 
-    def __init__(self, config: H.BenchConfig, device: str, clock: Callable[[], float]) -> None:
+    def __init__(self, config: BenchConfig, device: str, clock: Callable[[], float]) -> None:
         self.config = config
         self.clock = clock
-        self.model = H.build_bench_model(config, device)
+        self.model = build_bench_model(config, device)
         check_supported(self.model)
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
-        H.check_lengths(config.prompt_tokens, config.new_tokens, H.max_positions(self.model))
-        self.eos = H.resolve_eos(config, self.model)
-        inputs = H.make_inputs(self.model, config.requests, config.prompt_tokens, config.seed)
+        check_lengths(config.prompt_tokens, config.new_tokens, max_positions(self.model))
+        self.eos = resolve_eos(config, self.model)
+        inputs = make_inputs(self.model, config.requests, config.prompt_tokens, config.seed)
         self.prompts: List[List[int]] = inputs["input_ids"].tolist()
         pad = getattr(self.model.generation_config, "pad_token_id", None)
         self.generation_config = GenerationConfig(
@@ -152,58 +155,40 @@ class _Waves:
         return [list(outputs[rid].generated_tokens) for rid in ids], elapsed, steps
 
 
-def compare_waves(waves: _Waves, monitor: Optional[H.LoadMonitor] = None) -> Dict[str, Any]:
+def compare_waves(waves: _Waves, monitor: Optional[LoadMonitor] = None) -> Dict[str, Any]:
     """Plain vs instrumented waves, interleaved A B A B (see the module docstring)."""
     config = waves.config
-    side = H.InstrumentedSide(config, waves.clock, max_queue_size=1 << 16)
-    exporter = side.exporter
+    side = InstrumentedSide(config, waves.clock, max_queue_size=1 << 16)
+    plain_steps: List[int] = []
+    instr_steps: List[int] = []
+    tokens: List[int] = []
+    per_request_tokens: List[int] = []
+    identical = [True]
 
-    def plain() -> Tuple[List[List[int]], float, int]:
-        gc.collect()
-        return waves.wave()
+    def timed() -> Tuple[Tuple[List[List[int]], int], float]:
+        outputs, elapsed, steps = waves.wave()
+        return (outputs, steps), elapsed
 
-    def instrumented() -> Tuple[List[List[int]], float, int, float, float]:
-        (outputs, elapsed, steps), flush_trace, flush_metric = side.run(waves.wave)
-        return outputs, elapsed, steps, flush_trace, flush_metric
+    def record(a: Tuple[List[List[int]], int], elapsed_a: float, b: Tuple[List[List[int]], int]) -> None:
+        (out_a, steps_a), (out_b, steps_b) = a, b
+        identical[0] = identical[0] and out_a == out_b
+        plain_steps.append(steps_a)
+        instr_steps.append(steps_b)
+        tokens.append(sum(len(t) for t in out_a))
+        per_request_tokens[:] = [len(t) for t in out_a]
 
     waves.start()
     try:
-        for _ in range(config.warmup):
-            plain()
-            instrumented()
-        spans_before = exporter.spans
-        side.flushes_complete = True
-        plain_s: List[float] = []
-        instr_s: List[float] = []
-        trace_flush_s: List[float] = []
-        metric_flush_s: List[float] = []
-        plain_steps: List[int] = []
-        instr_steps: List[int] = []
-        tokens: List[int] = []
-        identical = True
-        for pair in range(config.runs):
-            out_a, elapsed_a, steps_a = plain()
-            out_b, elapsed_b, steps_b, flush_trace, flush_metric = instrumented()
-            identical = identical and out_a == out_b
-            plain_s.append(elapsed_a)
-            instr_s.append(elapsed_b)
-            trace_flush_s.append(flush_trace)
-            metric_flush_s.append(flush_metric)
-            plain_steps.append(steps_a)
-            instr_steps.append(steps_b)
-            tokens.append(sum(len(t) for t in out_a))
-            if monitor is not None:
-                monitor.read(f"pair {pair + 1}")
-        spans_exported = exporter.spans - spans_before
-        exported_bytes = exporter.bytes
+        pairs = interleave(side, timed, config, record, monitor)
     finally:
         waves.stop()
         side.shutdown()
-    deferred = [t + m for t, m in zip(trace_flush_s, metric_flush_s)]
-    per_request_tokens = [len(t) for t in out_a] if config.runs else []
+    plain_s, instr_s, deferred = pairs.plain_s, pairs.instrumented_s, pairs.deferred_s
+    ratios, ratios_deferred = pairs.ratios()
+    added, added_deferred = pairs.added_us_per_step(plain_steps)
     result: Dict[str, Any] = {
         "pairs": config.runs,
-        "order": "A B A B (plain, then instrumented, per pair); deferred work finished after each B, untimed by A or B",
+        "order": ORDER,
         "plain": "the manager with no hook of this package (uninstrumented)",
         "instrumented": side.description,
         "deferred": (
@@ -211,23 +196,17 @@ def compare_waves(waves: _Waves, monitor: Optional[H.LoadMonitor] = None) -> Dic
             "emitter, then the span processor) and meter_provider.force_flush(), each timed; charged to that run"
         ),
         "exporter": config.exporter,
-        "plain_elapsed_s": plain_s,
-        "instrumented_elapsed_s": instr_s,
-        "deferred_trace_flush_s": trace_flush_s,
-        "deferred_metric_flush_s": metric_flush_s,
-        "instrumented_deferred_s": deferred,
+        **pairs.timings(),
         "plain_batch_steps": plain_steps,
         "instrumented_batch_steps": instr_steps,
         "tokens": tokens,
         "plain_tokens_per_s": [n / s for n, s in zip(tokens, plain_s)],
         "instrumented_tokens_per_s": [n / s for n, s in zip(tokens, instr_s)],
         "instrumented_tokens_per_s_with_deferred": [n / (s + d) for n, s, d in zip(tokens, instr_s, deferred)],
-        "paired_ratios": [b / a for a, b in zip(plain_s, instr_s)],
-        "paired_ratios_with_deferred": [(b + d) / a for a, b, d in zip(plain_s, instr_s, deferred)],
-        "added_us_per_batch_step": [(b - a) / n * 1e6 for a, b, n in zip(plain_s, instr_s, plain_steps)],
-        "added_us_per_batch_step_with_deferred": [
-            (b + d - a) / n * 1e6 for a, b, d, n in zip(plain_s, instr_s, deferred, plain_steps)
-        ],
+        "paired_ratios": ratios,
+        "paired_ratios_with_deferred": ratios_deferred,
+        "added_us_per_batch_step": added,
+        "added_us_per_batch_step_with_deferred": added_deferred,
     }
     for name, key in (
         ("plain_elapsed_s", "plain_elapsed_s"),
@@ -242,82 +221,61 @@ def compare_waves(waves: _Waves, monitor: Optional[H.LoadMonitor] = None) -> Dic
         ("added_us_per_batch_step_with_deferred", "added_us_per_batch_step_with_deferred"),
         ("plain_batch_steps", "plain_batch_steps"),
     ):
-        H._with_iqr(result, name, result[key])
+        with_iqr(result, name, result[key])
     result.update(
         {
-            "spans_exported": spans_exported,
+            "spans_exported": pairs.spans_exported,
             "max_step_spans": side.max_step_spans,
             "step_spans": side.policy,
             "spans_expected": side.spans_expected(per_request_tokens * config.runs),
-            "exported_bytes": exported_bytes,
+            "exported_bytes": pairs.exported_bytes_total,  # warmup included, as this key always counted
             "flushes_complete": side.flushes_complete,
-            "outputs_identical": identical,
+            "outputs_identical": identical[0],
         }
     )
     return result
 
 
-def run(config: H.BenchConfig, clock: Callable[[], float] = time.perf_counter) -> Dict[str, Any]:
+def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> Dict[str, Any]:
     """Validate, build, then :func:`compare_waves`; return the result document (nothing is written here).
 
     Raises:
         BenchUsageError: invalid input, or a transformers without instrumentable continuous batching.
     """
-    config.validate()
-    monitor = H.LoadMonitor(own_threads=config.threads)
-    monitor.read("start")
-    device = H.resolve_device(config.device)
-    H._check_uninstrumented()
-    import torch
+    monitor, device = begin(config, uninstrumented=True)
+    with torch_threads(config.threads):
+        import torch
 
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(config.threads)
-    try:
         waves = _Waves(config, device, clock)
         compared = compare_waves(waves, monitor)
-        result: Dict[str, Any] = {
-            "mode": "continuous_batching",
-            "versions": H.versions(),
-            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "command": list(config.argv),
-            "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("OTEL_GENERATE_")},
-            "machine": H.machine(device),
-            "model": H.model_description(config, waves.model),
-            "device": str(waves.model.device),
-            "dtype": config.dtype,
-            "parameters": int(sum(p.numel() for p in waves.model.parameters())),
-            "requests": config.requests,
-            "prompt_tokens": config.prompt_tokens,
-            "new_tokens_requested": config.new_tokens,
-            "warmup": config.warmup,
-            "runs": config.runs,
-            "threads": torch.get_num_threads(),
-            "seed": config.seed,
-            "eos_token_id": waves.eos,
-            "continuous_batching_config": dict(waves.sizes),
-            "synchronize": f"{device} synchronize before and after each run"
-            if waves.synchronize is not None
-            else "none needed (cpu: eager work has finished when ops return)",
-            "timer": "time.perf_counter from the first add_request to the last finished output of a wave",
-            "compare": compared,
-        }
-        monitor.read("end")
-        result["load"] = monitor.report()
-        warnings = [result["load"]["warning"]] if result["load"]["warning"] else []
-        if not compared["flushes_complete"]:
-            warnings.append("a flush of deferred work timed out: some deferred work was not charged to its run")
-        result["warnings"] = warnings
-        return result
-    finally:
-        torch.set_num_threads(previous_threads)
+        result: Dict[str, Any] = {"mode": "continuous_batching", **document_head(config, device, waves.model)}
+        result.update(
+            {
+                "requests": config.requests,
+                "prompt_tokens": config.prompt_tokens,
+                "new_tokens_requested": config.new_tokens,
+                "warmup": config.warmup,
+                "runs": config.runs,
+                "threads": torch.get_num_threads(),
+                "seed": config.seed,
+                "eos_token_id": waves.eos,
+                "continuous_batching_config": dict(waves.sizes),
+                "synchronize": f"{device} synchronize before and after each run"
+                if waves.synchronize is not None
+                else "none needed (cpu: eager work has finished when ops return)",
+                "timer": "time.perf_counter from the first add_request to the last finished output of a wave",
+                "compare": compared,
+            }
+        )
+        return finish(result, monitor, compared["flushes_complete"])
 
 
-def summary_text(result: Dict[str, Any], median_iqr: Callable[..., str]) -> str:
+def summary_text(result: Dict[str, Any]) -> str:
     """The human-readable summary of a ``--continuous-batching`` result (every median with its IQR)."""
     cmp = result["compare"]
 
     def m(name: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
-        return median_iqr(cmp[f"median_{name}"], cmp[f"iqr_{name}"], fmt, scale, unit)
+        return median_iqr_text(cmp[f"median_{name}"], cmp[f"iqr_{name}"], fmt, scale, unit)
 
     lines = [f"WARNING: {w}" for w in result.get("warnings", [])]
     sizes = result["continuous_batching_config"]

@@ -2,7 +2,8 @@
 
 Time ratios on a shared machine move by several percent between identical runs; instruction
 counts do not depend on what else the machine runs. This mode runs one Python process under
-valgrind's callgrind that, for each configuration in turn:
+valgrind's callgrind (:mod:`otel_generate.bench.instructions_child`) that, for each configuration
+in turn:
 
 1. sets it up once (plain: nothing; instrumented: ``GenerateInstrumentor().instrument()`` with an
    SDK ``TracerProvider`` + ``BatchSpanProcessor`` + the ``--exporter`` and an SDK
@@ -38,14 +39,13 @@ work the instrumentation adds, resolved to well under 0.1 % of a call; the time 
 
 Configurations (``--configurations``, comma-separated; default all): see :data:`CONFIGURATIONS`.
 
-Errors: :class:`~otel_generate.bench.harness.BenchUsageError` (exit status 2) when valgrind is not
+Errors: :class:`~otel_generate.bench.config.BenchUsageError` (exit status 2) when valgrind is not
 installed, on invalid input, or when the process under valgrind fails.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import gc
 import glob
 import json
 import os
@@ -56,8 +56,8 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from otel_generate.bench import harness as H
-from otel_generate.bench.harness import BenchConfig, BenchUsageError
+from otel_generate.bench.config import BenchConfig, BenchUsageError, require_module
+from otel_generate.bench.environment import machine
 
 #: ``name: (description, instrument() keywords, sampled)``; ``plain`` is uninstrumented.
 CONFIGURATIONS: Dict[str, Tuple[str, Optional[Dict[str, Any]], bool]] = {
@@ -142,7 +142,7 @@ def validate(config: BenchConfig) -> None:
     if config.calls_high <= config.calls_low:
         raise BenchUsageError(f"--calls-high must be above --calls-low, got {config.calls_high} and {config.calls_low}")
     config.configurations = ",".join(parse_configurations(config.configurations))
-    H._require(
+    require_module(
         "opentelemetry.sdk",
         "--instructions needs the OpenTelemetry SDK: pip install opentelemetry-sdk (the package's [bench] extra)",
     )
@@ -215,7 +215,7 @@ def run(config: BenchConfig) -> Dict[str, Any]:
             f"--log-file={log_path}",
             sys.executable,
             "-m",
-            "otel_generate.bench.instructions",
+            "otel_generate.bench.instructions_child",
             spec_path,
         ]
         env = dict(os.environ)
@@ -296,7 +296,7 @@ def result_document(
             "instructions per call = (Ir(high) - Ir(low)) / (calls_high - calls_low), Ir summed over all threads"
         ),
         "environment": dict(SINGLE_THREAD_ENV, torch_threads=config.threads),
-        "machine": H.machine("cpu"),
+        "machine": machine("cpu"),
         "model": child["model"],
         "parameters": child["parameters"],
         "device": "cpu",
@@ -348,109 +348,3 @@ def summary_text(result: Dict[str, Any]) -> str:
         lines.append("  WARNING: some instrumented outputs differ from plain generate()'s")
     lines.append(f"  {result['note']}")
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------
-# The child: runs under valgrind
-# --------------------------------------------------------------------------------------------
-
-
-def _child(spec_path: str) -> None:
-    with open(spec_path, encoding="utf-8") as handle:
-        spec = json.load(handle)
-    config = BenchConfig(**spec["config"])
-    import torch
-
-    torch.set_num_threads(config.threads)
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
-
-    from otel_generate import GenerateInstrumentor
-
-    runner = H._Runner(config, "cpu")
-    labels: List[str] = []
-
-    def mark(label: str) -> None:
-        """Ends the part ``label`` (callgrind dumps what was counted since the last mark)."""
-        labels.append(label)
-        os.getloadavg()
-
-    reference = None
-    runs: Dict[str, Any] = {}
-    for name in spec["configurations"]:
-        _, options, sampled = CONFIGURATIONS[name]
-        instrumentor = tracer_provider = meter_provider = exporter = None
-        if options is not None:
-            exporter, reader = H.make_exporters(config.exporter)
-            tracer_provider = TracerProvider() if sampled else TracerProvider(sampler=ParentBased(ALWAYS_OFF))
-            tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
-            meter_provider = MeterProvider(metric_readers=[reader])
-            instrumentor = GenerateInstrumentor()
-            instrumentor.instrument(
-                tracer_provider=tracer_provider, meter_provider=meter_provider, skip_dep_check=True, **options
-            )
-
-        def flush(tracer_provider: Any = tracer_provider, meter_provider: Any = meter_provider) -> None:
-            if tracer_provider is not None:
-                tracer_provider.force_flush()
-                meter_provider.force_flush()
-
-        identical = True
-        output = None
-        for _ in range(config.warmup):
-            output = runner.generate()
-        flush()
-        spans_before = exporter.spans if exporter is not None else 0
-        gc.collect()
-        mark(f"{name} setup")
-        for part, calls in (("low", config.calls_low), ("high", config.calls_high)):
-            for _ in range(calls):
-                output = runner.generate()
-            flush()
-            mark(f"{name} {part}")
-            sequences = H._sequences(output)
-            if reference is None:
-                reference = sequences
-            identical = identical and bool(torch.equal(sequences, reference))
-            gc.collect()
-            mark(f"{name} gc after {part}")
-        steps = max(runner.counts(output))
-        calls_made = config.calls_low + config.calls_high
-        spans = ((exporter.spans - spans_before) / calls_made) if exporter is not None else 0
-        if options is None or not sampled:
-            expected: Optional[int] = 0
-        elif options.get("max_step_spans") == 0 or options.get("step_spans") == "none":
-            expected = 1
-        elif options.get("step_spans") == "slow":
-            expected = None
-        else:
-            expected = 1 + steps
-        runs[name] = {
-            "steps": steps,
-            "spans_per_call": spans,
-            "spans_expected_per_call": expected,
-            "outputs_identical": identical,
-        }
-        if instrumentor is not None:
-            instrumentor.uninstrument()
-            tracer_provider.shutdown()
-            meter_provider.shutdown()
-        gc.collect()
-        mark(f"{name} teardown")
-        print(f"  {name}: done", file=sys.stderr, flush=True)
-    result = {
-        "labels": labels,
-        "configurations": spec["configurations"],
-        "runs": runs,
-        "versions": H.versions(),
-        "model": H.model_description(config, runner.model),
-        "parameters": int(sum(p.numel() for p in runner.model.parameters())),
-    }
-    with open(spec["result"], "w", encoding="utf-8") as handle:
-        json.dump(result, handle)
-
-
-if __name__ == "__main__":  # the process under valgrind
-    _child(sys.argv[1])

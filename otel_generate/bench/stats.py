@@ -60,6 +60,25 @@ def iqr_of(values: Sequence[Optional[float]]) -> Optional[List[float]]:
     return [percentile(present, 25), percentile(present, 75)]
 
 
+def with_iqr(result: Dict[str, Any], name: str, values: Sequence[Optional[float]]) -> None:
+    """Set ``result["median_<name>"]`` and ``result["iqr_<name>"]`` from ``values``."""
+    result[f"median_{name}"] = median_of(values)
+    result[f"iqr_{name}"] = iqr_of(values)
+
+
+def median_iqr_text(
+    median: Optional[float], iqr: Optional[Sequence[float]], fmt: str, scale: float = 1.0, unit: str = ""
+) -> str:
+    """``"1.234 ms (IQR 1.200 to 1.300 ms)"``; ``"n/a"`` without a value (the summaries' format)."""
+    if median is None:
+        return "n/a"
+    unit = f" {unit}" if unit else ""
+    text = f"{format(median * scale, fmt)}{unit}"
+    if iqr is not None:
+        text += f" (IQR {format(iqr[0] * scale, fmt)} to {format(iqr[1] * scale, fmt)}{unit})"
+    return text
+
+
 def summarize(samples: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """Medians and interquartile ranges over the samples (elapsed s, tokens/s, TTFT ms, TPOT ms).
 
@@ -79,8 +98,7 @@ def summarize(samples: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     }
     result: Dict[str, Any] = {}
     for name, values in columns.items():
-        result[f"median_{name}"] = median_of(values)
-        result[f"iqr_{name}"] = iqr_of(values)
+        with_iqr(result, name, values)
     return result
 
 

@@ -166,12 +166,13 @@ def test_step_latencies_add_up_to_the_request_span(llama_1b, instrumented, span_
 
 
 def test_bench_on_cuda_synchronizes_around_every_timed_call(monkeypatch):
-    from otel_generate.bench import harness
+    from otel_generate.bench import runner as bench_runner
+    from otel_generate.bench.config import BenchConfig
 
     calls = []
     real_synchronize = torch.cuda.synchronize
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: (calls.append(a), real_synchronize(*a, **k)))
-    result = harness.run(harness.BenchConfig(device="cuda", new_tokens=8, warmup=1, runs=2))
+    result = bench_runner.run(BenchConfig(device="cuda", new_tokens=8, warmup=1, runs=2))
     assert result["device"].startswith("cuda") and result["machine"]["gpu"]
     assert [s["new_tokens"] for s in result["samples"]] == [8, 8]
     # per measured run: 2 by the harness (before and after), and the instrumentation's per step
