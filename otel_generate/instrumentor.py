@@ -53,7 +53,7 @@ class Patch(NamedTuple):
     owner: str  # class in that module (MODULE_LEVEL: the module itself; "Class+": and its subclasses)
     attribute: str
     factory: str  # "module.function" in otel_generate.integrations (background: otel_generate); (original, telemetry) -> replacement
-    required: bool  # missing: a warning (GenerationMixin: no step spans), or the module's group is skipped
+    required: bool  # missing: GenerationMixin warns (no step spans); continuous batching is left uninstrumented
 
 
 # fmt: off
@@ -152,7 +152,7 @@ def _install_module(patches: Patches, telemetry: Telemetry, name: str, rows: Tup
     if not telemetry.active:
         return
     missing = [f"{r.owner.rstrip(SUBCLASSES)}.{r.attribute}" for r in rows if r.required and not _has(module, r)]
-    if name == GENERATION:
+    if name == GENERATION:  # without the required hooks: request spans, no step spans
         if missing:
             _LOG.warning(
                 "otel_generate: this transformers has no %s; request spans only, no step spans", ", ".join(missing)
@@ -160,10 +160,13 @@ def _install_module(patches: Patches, telemetry: Telemetry, name: str, rows: Tup
         from otel_generate.integrations import generate_loop
 
         telemetry.skip_candidate_calls = generate_loop.assisted_calls_criteria_on_candidates(module.GenerationMixin)
-    elif missing:  # continuous batching: every hook point or none
-        _LOG.info("otel_generate: this transformers has no %s; %s is not instrumented", ", ".join(missing), name)
-        return
-    if name == CONTINUOUS:
+    elif name == CONTINUOUS:  # every hook point or none
+        if missing:
+            _LOG.info(
+                "otel_generate: this transformers' continuous batching has no %s; its requests are not traced",
+                ", ".join(missing),
+            )
+            return
         start_emitter(patches, telemetry)  # the scheduler thread never builds a span itself
     for row in rows:
         if row.owner == MODULE_LEVEL:
