@@ -81,6 +81,7 @@ steps are timed for them), unless no meter provider collects metrics.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from otel_generate.version import __version__
@@ -109,7 +110,10 @@ _EXPORTS = {
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'otel_generate' has no attribute {name!r}")
+        # a submodule not imported yet (``otel_generate.content`` after a bare ``import otel_generate``)
+        if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # read once
     return value

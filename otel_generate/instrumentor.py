@@ -1,6 +1,6 @@
 """``GenerateInstrumentor``: options, the patch list, post-import hooks, ``uninstrument()``.
 
-:data:`PATCHES` is every class attribute this package replaces, on one screen. ``instrument()``
+:data:`PATCHES` is every attribute this package replaces (class methods, one module-level function), on one screen. ``instrument()``
 registers one post-import hook per transformers module named there (nothing is imported: a patch
 is installed when its module is first imported, at once where it already is); ``uninstrument()``
 undoes exactly what those hooks installed (:meth:`otel_generate._patch.Patches.restore_all`).
