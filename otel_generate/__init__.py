@@ -80,142 +80,44 @@ steps are timed for them), unless no meter provider collects metrics.
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Collection
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
 
-from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
-
-from otel_generate import _lifecycle, _versions
-from otel_generate import content as _content
-from otel_generate import options as _options
-from otel_generate._patch import Patches
-from otel_generate.emit import Telemetry, create_instruments, get_event_logger, get_tracer
-from otel_generate.integrations import continuous_batching, generate_loop, overrides, serve, whisper
-from otel_generate.options import DEFAULT_MAX_STEP_SPANS, ENV_MAX_STEP_SPANS, ENV_SYNCHRONIZE  # noqa: F401  (public names)
-from otel_generate.package import _instruments
-from otel_generate.record import GenerationRecord
 from otel_generate.version import __version__
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time these load on first use (__getattr__)
+    from otel_generate.instrumentor import GenerateInstrumentor
+    from otel_generate.options import DEFAULT_MAX_STEP_SPANS, ENV_MAX_STEP_SPANS, ENV_SYNCHRONIZE  # noqa: F401
+    from otel_generate.profiler import TokenLatencyProfiler
+    from otel_generate.record import GenerationRecord
 
 __all__ = ["GenerateInstrumentor", "GenerationRecord", "TokenLatencyProfiler", "__version__"]
 
-_LOG = logging.getLogger("otel_generate")
+#: public name -> the module that defines it. Re-exports only, loaded when first read, so that
+#: ``import otel_generate.request`` (or any core module) loads neither the instrumentor, nor the
+#: integrations, nor transformers.
+_EXPORTS = {
+    "GenerateInstrumentor": "otel_generate.instrumentor",
+    "TokenLatencyProfiler": "otel_generate.profiler",
+    "GenerationRecord": "otel_generate.record",
+    "DEFAULT_MAX_STEP_SPANS": "otel_generate.options",
+    "ENV_MAX_STEP_SPANS": "otel_generate.options",
+    "ENV_SYNCHRONIZE": "otel_generate.options",
+}
 
 
-def _content_options(options: _options.Options) -> Any:
-    """The :class:`~otel_generate.content.ContentOptions` to capture, or ``None`` when nothing is."""
-    mode = options.capture_message_content
-    token_ids, logprobs = options.capture_step_token_ids, options.capture_step_logprobs
-    if mode is _content.ContentMode.NO_CONTENT and not token_ids and not logprobs:
-        return None
-    return _content.ContentOptions(
-        mode=mode,
-        step_token_ids=token_ids or logprobs,
-        step_logprobs=logprobs,
-        event_logger=get_event_logger(options.logger_provider) if mode.on_event else None,
-    )
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        # a submodule not imported yet (``otel_generate.content`` after a bare ``import otel_generate``)
+        if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # read once
+    return value
 
 
-#: The module that defines ``GenerationMixin``; its import installs the loop's hooks.
-GENERATION_MODULE = "transformers.generation.utils"
-
-
-def _install_generation(patches: Patches, telemetry: Telemetry, module: Any) -> None:
-    """``GenerationMixin``'s hooks, run when ``transformers.generation.utils`` is first imported
-    (before any model class exists, so every ``generate`` override is seen)."""
-    mixin = module.GenerationMixin
-    missing = [name for name in generate_loop.REQUIRED if name not in mixin.__dict__]
-    if missing:
-        _LOG.warning(
-            "otel_generate: this transformers has no GenerationMixin.%s; request spans only, no step spans",
-            ", ".join(missing),
-        )
-    telemetry.skip_candidate_calls = generate_loop.assisted_calls_criteria_on_candidates(mixin)
-    for name, factory in generate_loop.HOOKS.items():
-        patches.replace(mixin, name, factory, telemetry)
-    overrides.install(patches, telemetry, mixin)
-    if telemetry.content is not None and telemetry.content.step_logprobs:
-        from otel_generate.integrations import generate_content
-
-        generate_content.install(patches, telemetry, mixin)
-
-
-class GenerateInstrumentor(BaseInstrumentor):
-    """An instrumentor for ``transformers.GenerationMixin.generate``.
-
-    See the module docstring for usage and options. ``BaseInstrumentor`` makes it a singleton:
-    ``GenerateInstrumentor().instrument()`` a second time only logs a warning.
-    """
-
-    def instrumentation_dependencies(self) -> Collection[str]:
-        return _instruments
-
-    def _check_dependency_conflicts(self) -> Any:
-        # pre-releases of supported versions pass, whatever packaging is installed (_versions)
-        return _versions.dependency_conflict(self.instrumentation_dependencies())
-
-    def instrument(self, **kwargs: Any) -> Any:
-        """Instrument ``generate()`` (see the module docstring for the keywords).
-
-        If only a :class:`TokenLatencyProfiler` had turned the instrumentation on, this call
-        takes it over with these keywords, and leaving the profiler no longer turns it off.
-        """
-        from otel_generate import profiler
-
-        if self.is_instrumented_by_opentelemetry and profiler.take_over_from_profilers():
-            self.uninstrument()
-        return super().instrument(**kwargs)
-
-    def _instrument(self, **kwargs: Any) -> None:
-        # Nothing is imported here: every patch is installed when its transformers module is first
-        # imported (at once where it already is), so a process that never imports transformers
-        # pays only this package's own import.
-        options = _options.resolve(kwargs)
-        from otel_generate.profiler import active_profilers
-
-        telemetry = Telemetry(
-            tracer=get_tracer(options.tracer_provider),
-            instruments=create_instruments(options.meter_provider),
-            synchronize=options.synchronize,
-            max_step_spans=options.max_step_spans,
-            skip_candidate_calls=False,  # read from GenerationMixin when its module is imported
-            profilers=active_profilers,
-            content=_content_options(options),
-            options=options,
-        )
-        # Every patch, in one place: GenerationMixin's loop (generate_loop), every model class's own
-        # generate() and custom_generate (overrides), Whisper's windows (whisper), and, only when
-        # content capture is on, the pipelines' tokenizer and the step log-probabilities (content).
-        patches = Patches()
-        patches.on_import(GENERATION_MODULE, lambda module: _install_generation(patches, telemetry, module))
-        whisper.install(patches, telemetry)
-        # Serving paths: continuous batching (its requests' spans are built on a background emitter,
-        # created then) and `transformers serve`.
-        continuous_batching.install(patches, telemetry)
-        serve.install(patches, telemetry)
-        if telemetry.content is not None and telemetry.content.mode is not _content.ContentMode.NO_CONTENT:
-            from otel_generate.integrations import pipelines
-
-            pipelines.install(patches, telemetry)
-        if options.background_emission:
-            telemetry.start_emitter(patches)
-        self._telemetry, self._patches = telemetry, patches
-        # pool workers flush on exit; a forked child drops the parent's aggregations of these instruments
-        _lifecycle.enable(options.tracer_provider, options.meter_provider, telemetry.instruments.values())
-
-    def _uninstrument(self, **kwargs: Any) -> None:
-        telemetry, patches = getattr(self, "_telemetry", None), getattr(self, "_patches", None)
-        if telemetry is not None:
-            from otel_generate.integrations import continuous_batching
-
-            continuous_batching.end_in_flight(telemetry)  # requests in flight: ended, marked incomplete
-            telemetry.stop_emitter()  # what it still holds is emitted first
-            telemetry.active = False  # hooks still reachable (a bound method held somewhere) only call through
-            # requests of other threads already started keep their loops' hooks until their set-up is done
-            generate_loop.wait_for_setups(telemetry)
-        if patches is not None:
-            patches.restore_all()
-        self._telemetry = self._patches = None
-        _lifecycle.disable()  # the fork hook stays registered but does nothing
-
-
-from otel_generate.profiler import TokenLatencyProfiler  # noqa: E402  (needs GenerateInstrumentor)
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,4 +1,4 @@
-"""The one place where this package's patches are installed and removed.
+"""How this package's patches are installed and removed (which ones: :data:`otel_generate.instrumentor.PATCHES`).
 
 Every hook replaces a function in a class's own ``__dict__`` (``GenerationMixin.generate``, a
 model class's ``generate``, Whisper's helpers, ...) with a plain function built by a factory

@@ -35,75 +35,22 @@ from __future__ import annotations
 import logging
 import os
 from importlib import metadata as importlib_metadata
-from typing import Any, Iterable, List, Optional
+from typing import Optional
 
-from packaging.requirements import InvalidRequirement, Requirement
-from packaging.version import InvalidVersion, Version
+from otel_generate._faults import LOGGER_NAME
+from otel_generate.instrumentor import GenerateInstrumentor
+from otel_generate.package import (  # noqa: F401  (the version rule, kept importable here)
+    DISTRIBUTION,
+    ENTRY_POINT_NAME,
+    INSTRUMENTS_EXTRA,
+    dependency_conflict,
+    instruments_requirements,
+    satisfies,
+)
 
-_LOG = logging.getLogger("otel_generate")
-
-#: This package's distribution and its ``opentelemetry_instrumentor`` entry point name.
-DISTRIBUTION = "otel-generate"
-ENTRY_POINT_NAME = "transformers_generate"
-#: The extra the loader reads (``pip install otel-generate[instruments]`` installs it too).
-INSTRUMENTS_EXTRA = "instruments"
+_LOG = logging.getLogger(LOGGER_NAME)
 
 _loader_filter: Optional[logging.Filter] = None
-
-
-def satisfies(requirement: Requirement, installed: str) -> bool:
-    """Whether the installed version is in the requirement's range, a pre-release read as its release.
-
-    ``5.25.0.dev0`` and ``5.25.0rc1`` are checked as ``5.25.0``; a final or post release, local
-    label included (``2.13.0+cpu``), as it is. A version that is not PEP 440 is never in range.
-    """
-    try:
-        version = Version(installed)
-    except InvalidVersion:
-        return False
-    if version.is_prerelease:  # alpha, beta, rc, dev
-        version = Version(version.base_version)
-    return requirement.specifier.contains(version, prereleases=True)
-
-
-def dependency_conflict(requirements: Iterable[Any]) -> Any:
-    """The first requirement the installed distributions do not meet, as OpenTelemetry reports it.
-
-    Args:
-        requirements: requirement strings or ``packaging`` ``Requirement`` objects.
-
-    Returns:
-        ``None`` when all are met (see :func:`satisfies`), else an
-        ``opentelemetry.instrumentation.dependencies.DependencyConflict`` naming the requirement
-        and, when installed, what was found.
-    """
-    from opentelemetry.instrumentation.dependencies import DependencyConflict
-
-    for dep in requirements:
-        try:
-            requirement = dep if isinstance(dep, Requirement) else Requirement(dep)
-        except InvalidRequirement:
-            return DependencyConflict(str(dep))
-        try:
-            installed = importlib_metadata.version(requirement.name)
-        except importlib_metadata.PackageNotFoundError:
-            return DependencyConflict(str(dep))
-        if not satisfies(requirement, installed):
-            return DependencyConflict(str(dep), f"{requirement.name} {installed}")
-    return None
-
-
-def instruments_requirements(distribution: Any) -> List[Requirement]:
-    """The ``instruments`` extra of ``distribution``'s metadata, read as the loader reads it."""
-    found = []
-    for line in distribution.requires or ():
-        try:
-            requirement = Requirement(line)
-        except InvalidRequirement:
-            continue
-        if requirement.marker is not None and requirement.marker.evaluate({"extra": INSTRUMENTS_EXTRA}):
-            found.append(requirement)
-    return found
 
 
 def _disabled_by_environment() -> bool:
@@ -133,8 +80,6 @@ def _before_auto_instrumentation() -> None:
         return  # the loader accepts the installed versions and instruments as usual
     if dependency_conflict(instruments_requirements(distribution)) is not None:
         return  # out of range even as releases: the loader refuses and says why
-    from otel_generate import GenerateInstrumentor
-
     _keep_loader_conflict_out_of_the_log()
     GenerateInstrumentor().instrument(skip_dep_check=True)
     _LOG.debug("otel_generate: instrumented before the loader, whose packaging refuses the installed pre-release")

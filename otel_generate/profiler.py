@@ -2,36 +2,16 @@
 
 from __future__ import annotations
 
-import contextvars
 import json
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
+from otel_generate import instrumentor
 from otel_generate.record import GenerationRecord
 from otel_generate.stats import Latency
 
-_PROFILERS: contextvars.ContextVar[Tuple["TokenLatencyProfiler", ...]] = contextvars.ContextVar(
-    "otel_generate_profilers", default=()
-)
-_lock = threading.RLock()
-_auto_users = 0  # open profilers that count on the instrumentation they turned on
-_auto_owned = False  # the instrumentation is on only because a profiler turned it on
-
-
-def take_over_from_profilers() -> bool:
-    """Called by ``GenerateInstrumentor.instrument()``: True if profilers owned the instrumentation.
-
-    The caller then re-instruments with its own keywords, and closing the profilers leaves it on.
-    """
-    global _auto_owned
-    with _lock:
-        owned, _auto_owned = _auto_owned, False
-        return owned
-
-
-def active_profilers() -> Tuple["TokenLatencyProfiler", ...]:
-    """The profilers open in the current context (thread or task), innermost last."""
-    return _PROFILERS.get()
+#: Kept importable here: the open profilers of the current context (see :mod:`otel_generate.instrumentor`).
+active_profilers = instrumentor.active_profilers
 
 
 class TokenLatencyProfiler:
@@ -55,44 +35,27 @@ class TokenLatencyProfiler:
     def __init__(self) -> None:
         self.records: List[GenerationRecord] = []
         self._records_lock = threading.Lock()
-        self._token: Optional[contextvars.Token] = None
+        self._open = False
         self._auto = False
 
     def __enter__(self) -> "TokenLatencyProfiler":
-        global _auto_users, _auto_owned
-        from otel_generate import GenerateInstrumentor
-
-        if self._token is not None:
+        if self._open:
             raise RuntimeError("this TokenLatencyProfiler is already open; create a new one to nest")
-        with _lock:
-            instrumentor = GenerateInstrumentor()
-            if not instrumentor.is_instrumented_by_opentelemetry:
-                instrumentor.instrument()
-                _auto_owned = True
-            if _auto_owned:
-                _auto_users += 1
-                self._auto = True
-        self._token = _PROFILERS.set(_PROFILERS.get() + (self,))
+        self._auto = instrumentor.acquire_for_profiler()
+        self._open = True
+        instrumentor.open_profiler(self)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        global _auto_users, _auto_owned
-        from otel_generate import GenerateInstrumentor
-
-        # not ContextVar.reset: profilers may be closed in any order
-        _PROFILERS.set(tuple(p for p in _PROFILERS.get() if p is not self))
-        self._token = None
+        instrumentor.close_profiler(self)
+        self._open = False
         # requests accounted on the background emitter (continuous batching) reach the records first
-        emitter = getattr(getattr(GenerateInstrumentor(), "_telemetry", None), "emitter", None)
-        if emitter is not None:
-            emitter.drain()
+        telemetry = instrumentor.GenerateInstrumentor().telemetry
+        if telemetry is not None and telemetry.emitter is not None:
+            telemetry.emitter.drain()
         if self._auto:
-            with _lock:
-                _auto_users -= 1
-                if _auto_users == 0 and _auto_owned:
-                    _auto_owned = False
-                    GenerateInstrumentor().uninstrument()
             self._auto = False
+            instrumentor.release_for_profiler()
 
     def _add(self, record: GenerationRecord) -> None:
         with self._records_lock:

@@ -807,3 +807,82 @@ def test_unknown_device_type_is_timed_unsynchronized(instrumented, span_exporter
     assert out.shape[-1] == 7 and attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 3
     assert attrs[A.GENERATE_SYNCHRONIZED] is False and attrs[A.GENERATE_DEVICE] == "hpu:0"
     assert len(step_spans(span_exporter)) == 3
+
+
+# --- every patch point on one screen (otel_generate.instrumentor.PATCHES) --------------------------------------
+
+_ABSENT = object()
+
+
+def _table_targets():
+    """``(owner, attribute) -> what owner.__dict__ holds now`` for every row of ``PATCHES`` whose module this
+    transformers has (4.46 has no continuous batching or serve), subclasses included for ``Class+`` rows, plus
+    the ``__init_subclass__`` such a row adds to its class."""
+    import importlib
+
+    from otel_generate.instrumentor import MODULE_LEVEL, PATCHES, SUBCLASSES, _subclasses
+
+    modules = {}
+    for row in PATCHES:
+        try:
+            modules[row.module] = importlib.import_module(row.module)
+        except ImportError:
+            continue
+    found = {}
+    for row in PATCHES:
+        module = modules.get(row.module)
+        if module is None:
+            continue
+        owner = module if row.owner == MODULE_LEVEL else getattr(module, row.owner.rstrip(SUBCLASSES), None)
+        if owner is None:
+            continue
+        owners = [owner]
+        if row.owner.endswith(SUBCLASSES):
+            found[(owner, "__init_subclass__")] = vars(owner).get("__init_subclass__", _ABSENT)
+            owners = [cls for cls in _subclasses(owner) if callable(vars(cls).get(row.attribute))]
+        for cls in owners:
+            found[(cls, row.attribute)] = vars(cls).get(row.attribute, _ABSENT)
+    return found
+
+
+def test_the_patch_table_names_the_loop_hooks_and_factories_that_exist():
+    from otel_generate.instrumentor import GENERATION, PATCHES, _factory
+    from otel_generate.integrations import generate_loop
+
+    mixin_rows = [r for r in PATCHES if r.module == GENERATION and r.owner == "GenerationMixin" and r.when == "always"]
+    assert {r.attribute: _factory(r.factory) for r in mixin_rows if r.factory.startswith("generate_loop.")} == dict(
+        generate_loop.HOOKS
+    )
+    assert {r.attribute for r in mixin_rows if r.required} == set(generate_loop.REQUIRED)
+    for row in PATCHES:
+        factory = _factory(row.factory)
+        assert callable(factory) and factory.__name__ == row.factory.rpartition(".")[2], row
+
+
+def test_uninstrument_restores_every_target_of_the_patch_table(tracer_provider, meter_provider):
+    instrumentor = GenerateInstrumentor()
+    assert not instrumentor.is_instrumented_by_opentelemetry
+    before = _table_targets()
+    # every row's condition on: content capture, step log-probabilities, the background emitter
+    instrumentor.instrument(
+        tracer_provider=tracer_provider,
+        meter_provider=meter_provider,
+        capture_message_content="SPAN_ONLY",
+        capture_step_logprobs=True,
+        background_emission=True,
+    )
+    try:
+        during = _table_targets()
+        installed = set(instrumentor._patches.installed())
+    finally:
+        instrumentor.uninstrument()
+    after = _table_targets()
+    assert during.keys() == before.keys()
+    changed = {key for key in before if during[key] is not before[key]}
+    # every target this transformers defines was patched, and nothing outside the table
+    assert changed == {key for key, value in before.items() if value is not _ABSENT or key[1] == "__init_subclass__"}
+    assert installed == changed
+    assert (GenerationMixin, "generate") in changed and (GenerationMixin, "__init_subclass__") in changed
+    assert any(owner.__name__ == "TracerProvider" for owner, _ in changed)  # the drain hooks too
+    # and after uninstrument() every one of them is the original object again
+    assert {key: value for key, value in after.items() if value is not before[key]} == {}

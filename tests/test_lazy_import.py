@@ -230,3 +230,23 @@ def test_opentelemetry_instrument_script_importing_transformers_later_gets_its_s
 
     names = sorted(s["name"] for s in console_spans(done.stdout))
     assert names == sorted(["text_completion GPT2LMHeadModel", "prefill"] + ["decode"] * 4)
+
+
+def test_importing_the_record_loads_no_integration_nor_transformers():
+    out = _run_python(
+        """
+import json, sys
+import otel_generate.request
+loaded = sorted(m for m in sys.modules if m.startswith("otel_generate"))
+plain = "transformers" in sys.modules or "torch" in sys.modules
+from otel_generate import GenerateInstrumentor  # the public names still load on first use
+print(json.dumps([loaded, plain, GenerateInstrumentor.__module__,
+                  sorted(m for m in sys.modules if m.startswith("otel_generate.integrations"))]))
+"""
+    )
+    loaded, plain, where, integrations = _last_json(out)
+    assert "otel_generate.request" in loaded
+    assert [m for m in loaded if m.startswith(("otel_generate.integrations", "otel_generate.instrumentor"))] == []
+    assert plain is False
+    assert where == "otel_generate.instrumentor"
+    assert integrations == []  # the instrumentor imports the integrations only inside instrument()

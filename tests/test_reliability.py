@@ -846,7 +846,7 @@ def captured_telemetry(monkeypatch):
             super().__init__(*args, **kwargs)
             built.append(self)
 
-    monkeypatch.setattr(otel_generate, "Telemetry", Recording)
+    monkeypatch.setattr(otel_generate.instrumentor, "Telemetry", Recording)
     return built
 
 
