@@ -57,10 +57,8 @@ from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 from otel_generate import attributes as A
 from otel_generate import clock, emit, ranks
 from otel_generate._faults import log_fault_once
-from otel_generate._patch import Patches
 from otel_generate.integrations.cb_manager import (
     STATE_ATTR,
-    STATE_LOCK,
     ManagerState,
     PagedGroup,
     end_in_flight,
@@ -86,7 +84,6 @@ __all__ = [
     "STATE_ATTR",
     "PagedGroup",
     "end_in_flight",
-    "install",
     "missing_features",
     "state_of",
 ]
@@ -113,34 +110,6 @@ def missing_features(module: Any) -> List[str]:
         if cls is None or name not in vars(cls):
             missing.append(f"{cls_name}.{name}")
     return missing
-
-
-def install(patches: Patches, telemetry: emit.Telemetry) -> None:
-    """Hook continuous batching now if its module is imported, else when it is (no import here)."""
-
-    def on_import(module: Any) -> None:
-        if not telemetry.active:
-            return
-        missing = missing_features(module)
-        if missing:
-            _LOG.info(
-                "otel_generate: this transformers' continuous batching has no %s; its requests are not traced",
-                ", ".join(missing),
-            )
-            return
-        try:
-            with STATE_LOCK:
-                telemetry.start_emitter(patches)  # the scheduler thread never builds a span itself
-            manager, router = module.ContinuousBatchingManager, module.OutputRouter
-            patches.replace(manager, "add_request", make_add_request, telemetry)
-            patches.replace(manager, "cancel_request", make_cancel_request, telemetry)
-            patches.replace(manager, "_generation_loop_body", make_generation_loop_body, telemetry)
-            patches.replace(router, "deliver", make_deliver, telemetry)
-            patches.replace(router, "deliver_batch", make_deliver_batch, telemetry)
-        except Exception as fault:
-            log_fault_once("continuous batching hook install", fault)
-
-    patches.on_import(MODULE, on_import)
 
 
 # --- the paged generate() group a submission belongs to ----------------------------------------------

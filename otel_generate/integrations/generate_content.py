@@ -5,7 +5,8 @@ then each request gets :data:`CAPTURE` as its ``Call.content`` (a
 :class:`~.loop_state.ContentCapture`, attached by :func:`.generate_loop.run_request`), whose
 :meth:`~_Capture.fill` (:func:`fill_request`) runs once, after ``generate()`` returned and its loops
 were accounted; and, for log-probabilities only, the ``_get_logits_processor`` hook
-(:func:`install`) appends one :class:`StepLogprobs` processor to the loop's logits processors. The step hook
+(:func:`make_get_logits_processor`, a row of :data:`otel_generate.instrumentor.PATCHES`) appends
+one :class:`StepLogprobs` processor to the loop's logits processors. The step hook
 (:mod:`.step_hook`) is never changed: with content off, no code of this module runs per step.
 
 Where text comes from: a tokenizer, either the ``tokenizer=`` keyword of ``generate()`` (the one
@@ -44,7 +45,6 @@ from transformers.generation.logits_process import LogitsProcessor
 from otel_generate import attributes as A
 from otel_generate import emit
 from otel_generate._faults import LOGGER_NAME, log_fault_once
-from otel_generate._patch import Patches
 from otel_generate.content import input_messages, output_messages
 from otel_generate.integrations import pipelines
 from otel_generate.integrations._routing import _ACTIVE, _sequences, compiler_disabled, strategy_of
@@ -304,8 +304,3 @@ def make_get_logits_processor(original: Callable, telemetry: emit.Telemetry) -> 
         return processors
 
     return compiler_disabled(_get_logits_processor)
-
-
-def install(patches: Patches, telemetry: emit.Telemetry, mixin: type) -> None:
-    """Hook ``_get_logits_processor`` (only when step log-probabilities are asked for)."""
-    patches.replace(mixin, LOGITS_PROCESSOR_METHOD, make_get_logits_processor, telemetry)

@@ -17,11 +17,9 @@ makes become inner loops of that one request (:mod:`.generate_loop`).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from otel_generate import emit
-from otel_generate._faults import log_fault_once
-from otel_generate._patch import Patches
 from otel_generate.integrations._routing import compiler_disabled, current_call
 from otel_generate.integrations.generate_loop import run_request
 
@@ -37,42 +35,6 @@ def make_outer_generate(original: Callable, telemetry: emit.Telemetry) -> Callab
         return run_request(telemetry, original, self, args, kwargs, loop=False)
 
     return compiler_disabled(generate)
-
-
-def _subclasses(root: type) -> Iterator[type]:
-    seen = set()
-    pending = [root]
-    while pending:
-        cls = pending.pop()
-        for sub in type.__subclasses__(cls):
-            if sub not in seen:
-                seen.add(sub)
-                pending.append(sub)
-                yield sub
-
-
-def _hook_class(patches: Patches, telemetry: emit.Telemetry, cls: type) -> None:
-    original = cls.__dict__.get("generate")
-    if callable(original) and not isinstance(original, (staticmethod, classmethod)):
-        patches.replace(cls, "generate", make_outer_generate, telemetry)
-
-
-def install(patches: Patches, telemetry: emit.Telemetry, mixin: type) -> None:
-    """Hook every ``generate`` override of ``mixin``'s subclasses, now and later, and ``load_custom_generate``."""
-    for cls in list(_subclasses(mixin)):
-        _hook_class(patches, telemetry, cls)
-
-    def __init_subclass__(cls, **kwargs):
-        super(mixin, cls).__init_subclass__(**kwargs)
-        if telemetry.active:
-            try:
-                _hook_class(patches, telemetry, cls)
-            except Exception as fault:  # never break class creation
-                log_fault_once("generate override hook", fault)
-
-    patches.add(mixin, "__init_subclass__", classmethod(__init_subclass__))
-    if "load_custom_generate" in mixin.__dict__:
-        patches.replace(mixin, "load_custom_generate", make_load_custom_generate, telemetry)
 
 
 def make_load_custom_generate(original: Callable, telemetry: emit.Telemetry) -> Callable:

@@ -25,7 +25,6 @@ from typing import Any, Callable, Optional
 
 from otel_generate import emit
 from otel_generate._faults import log_fault_once
-from otel_generate._patch import Patches
 
 MODULE = "transformers.pipelines.base"
 
@@ -70,18 +69,3 @@ def make_forward(original: Callable, telemetry: emit.Telemetry) -> Callable:
             _CURRENT.reset(token)
 
     return forward
-
-
-def install(patches: Patches, telemetry: emit.Telemetry) -> None:
-    """Hook ``Pipeline.forward`` now if ``transformers.pipelines.base`` is imported, else when it is
-    (never importing it: about a second of import time)."""
-
-    def on_import(module: Any) -> None:
-        if not telemetry.active:
-            return
-        try:
-            patches.replace(module.Pipeline, "forward", make_forward, telemetry)
-        except Exception as fault:
-            log_fault_once("pipeline instrumentation", fault)
-
-    patches.on_import(MODULE, on_import)

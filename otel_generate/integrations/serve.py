@@ -36,41 +36,12 @@ from opentelemetry import context as otel_context
 
 from otel_generate import _lifecycle, emit
 from otel_generate._faults import log_fault_once
-from otel_generate._patch import Patches
 
 MODULE = "transformers.cli.serving.utils"
 CLASS = "InferenceThread"
 METHODS = ("submit", "async_submit")
 SERVER_MODULE = "transformers.cli.serving.server"
 SERVER_FACTORY = "build_server"
-
-
-def install(patches: Patches, telemetry: emit.Telemetry) -> None:
-    """Hook ``InferenceThread`` now if its module is imported, else when it is."""
-
-    def on_import(module: Any) -> None:
-        if not telemetry.active:
-            return
-        cls = getattr(module, CLASS, None)
-        if cls is None:
-            return
-        try:
-            for name in METHODS:
-                if callable(vars(cls).get(name)):
-                    patches.replace(cls, name, make_submit, telemetry)
-        except Exception as fault:
-            log_fault_once("serve hook install", fault)
-
-    def on_server_import(module: Any) -> None:
-        if not telemetry.active or not callable(getattr(module, SERVER_FACTORY, None)):
-            return
-        try:
-            patches.replace(module, SERVER_FACTORY, make_build_server, telemetry)
-        except Exception as fault:
-            log_fault_once("serve hook install", fault)
-
-    patches.on_import(MODULE, on_import)
-    patches.on_import(SERVER_MODULE, on_server_import)
 
 
 def in_context(function: Callable, context: Any) -> Callable:

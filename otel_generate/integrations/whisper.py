@@ -18,31 +18,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from otel_generate import attributes as A
 from otel_generate import emit
 from otel_generate._faults import log_fault_once
-from otel_generate._patch import Patches
 from otel_generate.integrations._routing import active_call
 from otel_generate.integrations.loop_state import Loop
 
 MODULE = "transformers.models.whisper.generation_whisper"
 #: Seconds of audio per ``seek`` frame: ``time_precision`` (0.02 s) / ``input_stride`` (2).
 SECONDS_PER_FRAME = 0.01
-
-
-def install(patches: Patches, telemetry: emit.Telemetry) -> None:
-    """Hook Whisper's helpers now if the module is imported, else when it is."""
-
-    def on_import(module: Any) -> None:
-        if not telemetry.active:
-            return
-        mixin = getattr(module, "WhisperGenerationMixin", None)
-        if mixin is None:
-            return
-        try:
-            patches.replace(mixin, "generate_with_fallback", make_generate_with_fallback, telemetry)
-            patches.replace(mixin, "_need_fallback", make_need_fallback, telemetry)
-        except Exception as fault:
-            log_fault_once("whisper hook install", fault)
-
-    patches.on_import(MODULE, on_import)
 
 
 def make_generate_with_fallback(original: Callable, telemetry: emit.Telemetry) -> Callable:

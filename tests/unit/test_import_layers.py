@@ -65,18 +65,9 @@ ALLOWED: Tuple[Tuple[str, str, str], ...] = (
     ),
 )
 
-#: Import cycles that exist today and are being removed (issue 16: item 1 splits the generate() producer, the
-#: bench gets a shared module). The test fails on any other cycle, and on an entry here that no longer exists.
-KNOWN_CYCLES: Tuple[Tuple[frozenset, str], ...] = (
-    (
-        frozenset({"integrations.generate_loop", "integrations.whisper", "integrations.generate_content"}),
-        "each imports the others' private names; issue 16 item 1 gives Whisper and content a small protocol",
-    ),
-    (
-        frozenset({"bench.harness", "bench.continuous", "bench.instructions"}),
-        "issue 16 item 3: the shared A/B loop and statistics move to one bench module",
-    ),
-)
+#: Import cycles tolerated while they are being removed, each with its reason (none today). The test fails on
+#: any other cycle, and on an entry here that no longer exists.
+KNOWN_CYCLES: Tuple[Tuple[frozenset, str], ...] = ()
 
 
 class Edge(NamedTuple):
