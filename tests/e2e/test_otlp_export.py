@@ -5,7 +5,7 @@
   and compose publishes, exporters name compose services, images are pinned.
 * Round trips: ``examples/app.py`` runs in a subprocess under ``opentelemetry-instrument`` with
   only ``OTEL_*`` variables, once over gRPC and once over HTTP/protobuf, into the test OTLP
-  receiver (``tests/otlp_receiver.py``); what arrives is decoded with ``opentelemetry-proto`` and
+  receiver (``tests/helpers/otlp_receiver.py``); what arrives is decoded with ``opentelemetry-proto`` and
   checked: one trace, the span tree, ``service.name``, every attribute of ``docs/contract.md``
   with its wire type, step times inside the request span, and the GenAI metrics with their
   bucket boundaries. The batch span processor's and the metric reader's schedules are set to
@@ -229,7 +229,7 @@ CONDITIONAL = {
     A.GEN_AI_INPUT_MESSAGES,
     A.GEN_AI_OUTPUT_MESSAGES,
     A.GENERATE_STEPS_UNOBSERVED,
-    A.GENERATE_STEPS_UNINSTRUMENTED,  # uninstrument() during the request (tests/test_uninstrument_race.py)
+    A.GENERATE_STEPS_UNINSTRUMENTED,  # uninstrument() during the request (tests/integration/test_uninstrument_race.py)
     A.GENERATE_TIME_IN_QUEUE,
     A.GENERATE_ASSISTED_GENERATOR,
     A.GENERATE_ASSISTED_PROPOSED,
@@ -240,7 +240,7 @@ CONDITIONAL = {
     A.GENERATE_USAGE_DISCARDED_OUTPUT_TOKENS,
     A.GENERATE_STEP_SPANS_REASON,
     A.GENERATE_KV_CACHE_SIZE,
-    # a distributed run only (tests/test_tensor_parallel.py)
+    # a distributed run only (tests/e2e/test_tensor_parallel.py)
     A.GENERATE_TENSOR_PARALLEL_RANK,
     A.GENERATE_TENSOR_PARALLEL_SIZE,
     A.GENERATE_TENSOR_PARALLEL_CALL_INDEX,

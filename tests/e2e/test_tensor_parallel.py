@@ -1,7 +1,7 @@
 """Tensor-parallel and data-parallel ranks (issue 17, item 4): one user call is one request across a
 tensor-parallel group; each data-parallel rank's calls are its own; every span says its rank.
 
-The multi-process cases run ``torchrun --standalone --nproc-per-node 2 tests/tp_worker.py`` on CPU
+The multi-process cases run ``torchrun --standalone --nproc-per-node 2 tests/helpers/tp_worker.py`` on CPU
 (gloo) with a tiny Llama saved by ``save_pretrained``; each rank writes what its own in-memory span
 exporter and metric reader hold, and the test sums over the ranks. The in-process cases give a
 tiny model a one-dimensional tensor-parallel mesh stand-in, to check the rules without processes.

@@ -13,7 +13,7 @@
 * In process, without ``opentelemetry-instrument``: the providers passed to ``instrument()``
   (not the global ones) are flushed by a forked worker, spans and metrics; after
   ``uninstrument()`` a forked worker flushes nothing; instrumenting again turns it back on for a
-  worker that generated, while a worker that generated nothing sends nothing (``tests/test_fork.py``).
+  worker that generated, while a worker that generated nothing sends nothing (``tests/e2e/test_fork.py``).
 """
 
 from __future__ import annotations

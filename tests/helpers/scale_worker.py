@@ -1,4 +1,4 @@
-"""One sending process of tests/test_collector_e2e.py's scale-tier test (not a test module).
+"""One sending process of tests/e2e/test_collector_e2e.py's scale-tier test (not a test module).
 
 Instruments a tiny random-weight GPT-2 with this package, exports spans over OTLP/gRPC to
 ``--endpoint`` (the agent of ``collector/local.sh up --scale``) and runs one request per

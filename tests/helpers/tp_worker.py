@@ -1,5 +1,5 @@
-"""One rank of ``torchrun --nproc-per-node N tests/tp_worker.py OUT_DIR MODEL_DIR [options]`` (see
-tests/test_tensor_parallel.py): loads the saved tiny Llama, sharded with ``tp_plan="auto"`` or whole,
+"""One rank of ``torchrun --nproc-per-node N tests/helpers/tp_worker.py OUT_DIR MODEL_DIR [options]`` (see
+tests/e2e/test_tensor_parallel.py): loads the saved tiny Llama, sharded with ``tp_plan="auto"`` or whole,
 makes one ``generate()`` call and writes what its own in-memory exporters hold to
 ``OUT_DIR/rank<RANK>.json``:
 

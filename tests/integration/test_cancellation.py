@@ -1,7 +1,7 @@
 """A generation stopped because its client went away is ``cancelled``, not an error (issue 17, item 5).
 
 ``transformers serve`` (without continuous batching) raises its private ``_GenerationCancelled``
-from the streamer's ``put()`` when the client disconnected; tests/test_serve.py runs the real
+from the streamer's ``put()`` when the client disconnected; tests/integration/test_serve.py runs the real
 server in both modes with the ``openai`` client. Here the same exception class shape (a class of a
 ``transformers`` module) is raised by a streamer inside ``generate()``, on every transformers version.
 """

@@ -11,11 +11,12 @@ Each test names one guarantee of docs/production.md ("Operating in production"):
    limits below the contract size are reported by the SDK (not silent);
 6. off means off: uninstrumented, suppressed, unsampled: no step hook call, no device synchronize;
 7. other instrumentations alongside: ``opentelemetry-instrument`` plus a manual ``instrument()``, the
-   threading instrumentation (the Flask case is ``tests/test_flask_correlation.py``);
+   threading instrumentation (the Flask case is ``tests/integration/test_flask_correlation.py``);
 8. bad configuration: unparsable environment values, invalid ``instrument()`` keywords;
 9. fault injection: exporters, span processors, the clock and the device synchronize raising.
 
-The hypothesis property test of the token accounting (item 10) is ``tests/test_accounting_property.py``.
+The hypothesis property test of the token accounting is
+``tests/integration/test_token_accounting_property.py``.
 """
 
 from __future__ import annotations

@@ -132,11 +132,14 @@ def test_readme_links_every_docs_page():
 
 
 def test_ci_runs_the_readmes_test_command():
-    """The README's second Quick-start command ends in the test command; .ci/run runs exactly that."""
-    blocks = code_blocks(README.read_text(), "bash")
-    (test_block,) = [b for b in blocks if "pytest" in b]
-    command = test_block.strip().split("&&")[-1].strip()
+    """The README's Quick start ends in the full suite's command, its "Running the tests" gives the three
+    commands (the unit loop, everything but slow, the full suite), and .ci/run runs the full suite."""
+    blocks = [b for b in code_blocks(README.read_text(), "bash") if "pytest" in b]
+    quick_start, running = blocks
+    command = quick_start.strip().split("&&")[-1].strip()
     assert command == "python -m pytest"
+    commands = [line.split("#", 1)[0].strip() for line in running.strip().splitlines()]
+    assert commands == ["python -m pytest tests/unit", 'python -m pytest -m "not slow"', command]
     ci = [line.split("#", 1)[0] for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert any(re.search(rf"(^|[\s(&;]){re.escape(command)}(\s|\"|$)", line) for line in ci), (
         f".ci/run does not run {command!r}"
