@@ -20,7 +20,7 @@ import transformers
 from otel_generate import attributes as A
 from otel_generate import ranks
 from otel_generate.bench.models import build_model
-from otel_generate.options import ENV_TENSOR_PARALLEL_SPANS, resolve
+from otel_generate.options import ENV_TENSOR_PARALLEL_SPANS
 from tests.helpers import prompt, request_spans
 
 WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers", "tp_worker.py")
@@ -200,20 +200,6 @@ def test_placement_outside_a_distributed_run_is_none(gpt2):
     model = build_model("gpt2", seed=0)
     model._device_mesh = _Mesh(0, 1)  # a group of one is no tensor parallelism
     assert ranks.placement(model, "rank0") is None
-
-
-def test_the_option_and_its_environment_variable(monkeypatch):
-    assert resolve({}).tensor_parallel_spans == "rank0"
-    assert resolve({"tensor_parallel_spans": "ALL"}).tensor_parallel_spans == "all"
-    monkeypatch.setenv(ENV_TENSOR_PARALLEL_SPANS, "all")
-    assert resolve({}).tensor_parallel_spans == "all"
-    assert resolve({"tensor_parallel_spans": "rank0"}).tensor_parallel_spans == "rank0"  # the keyword wins
-    monkeypatch.setenv(ENV_TENSOR_PARALLEL_SPANS, "every")
-    assert resolve({}).tensor_parallel_spans == "rank0"  # unparsable: warned, default
-    with pytest.raises(ValueError, match="tensor_parallel_spans must be one of rank0, all"):
-        resolve({"tensor_parallel_spans": "every"})
-    with pytest.raises(TypeError, match="tensor_parallel_spans must be a string"):
-        resolve({"tensor_parallel_spans": 1})
 
 
 def test_a_silent_rank_makes_no_request_of_the_generate_calls_inside_its_call(instrumented, span_exporter):

@@ -5,22 +5,15 @@ from __future__ import annotations
 import logging
 
 import pytest
-from opentelemetry.sdk.trace import SpanLimits, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanProcessor
+from opentelemetry.sdk.trace import SpanLimits
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Decision, ParentBased, Sampler, SamplingResult
 
 from otel_generate import GenerateInstrumentor
 from otel_generate import attributes as A
-from otel_generate.fast_spans import FastStepSpans
 from tests.helpers import prompt, request_spans, step_spans
-
-
-def provider_with(*processors, **kwargs):
-    provider = TracerProvider(**kwargs)
-    for processor in processors:
-        provider.add_span_processor(processor)
-    return provider
+from tests.unit.test_fast_spans import provider_with
 
 
 def run(provider, model, fast, monkeypatch=None, **options):
@@ -142,20 +135,6 @@ def test_tight_span_limits_take_the_public_path(gpt2):
     for step in steps:  # as the SDK limits them: the oldest attribute (the step index) evicted and counted
         assert len(step.attributes) == 3 and step.dropped_attributes == 1
         assert A.GENERATE_STEP_INDEX not in step.attributes
-
-
-def test_batch_processor_is_eligible_and_sdk_self_metrics_are_not():
-    provider = provider_with(BatchSpanProcessor(InMemorySpanExporter()))
-    tracer = provider.get_tracer("t")
-    assert FastStepSpans.for_tracer(tracer) is not None
-
-    class Counting:  # stands for the SDK's self-observability metrics, which the fast path would skip
-        def start_span(self, *args):
-            return lambda: None
-
-    tracer._tracer_metrics = Counting()
-    assert FastStepSpans.for_tracer(tracer) is None
-    provider.shutdown()
 
 
 def test_a_fault_in_the_fast_path_falls_back_to_the_public_path(gpt2, monkeypatch, caplog):

@@ -628,29 +628,6 @@ def test_fault_in_step_hook_is_logged_once_and_generation_goes_on(
     assert len(step_spans(span_exporter, first)) == 1
 
 
-def test_unknown_option_is_a_type_error(tracer_provider):
-    with pytest.raises(TypeError, match="synchronise"):
-        GenerateInstrumentor().instrument(tracer_provider=tracer_provider, synchronise=False)
-    assert not GenerateInstrumentor().is_instrumented_by_opentelemetry
-    with pytest.raises(TypeError, match="synchronize must be a bool"):
-        GenerateInstrumentor().instrument(synchronize="no")
-    with pytest.raises(ValueError, match="max_step_spans must be >= 0"):
-        GenerateInstrumentor().instrument(max_step_spans=-1)
-    assert not GenerateInstrumentor().is_instrumented_by_opentelemetry
-
-
-def test_entry_point_is_declared():
-    from importlib.metadata import entry_points
-
-    found = [
-        ep
-        for ep in entry_points(group="opentelemetry_instrumentor")
-        if ep.value == "otel_generate:GenerateInstrumentor"
-    ]
-    assert len(found) == 1
-    assert found[0].load() is GenerateInstrumentor
-
-
 def test_no_span_leaks_into_context_after_generate(instrumented, gpt2):
     ids, mask = prompt()
     before = trace.get_current_span()

@@ -311,8 +311,9 @@ def test_callback_matches_step_spans(instrumented, span_exporter, gpt2):
 
 
 def test_callback_with_prompt_lookup_reports_first_token_index_of_each_step(instrumented, span_exporter, gpt2):
-    from test_instrumentor import NoEos, _repetitive_prompt
     from transformers import LogitsProcessorList
+
+    from tests.integration.test_generate_loop import NoEos, _repetitive_prompt
 
     ids, mask = _repetitive_prompt(gpt2)
     calls = []

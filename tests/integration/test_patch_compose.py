@@ -19,7 +19,6 @@ import wrapt
 from transformers.generation.utils import GenerationMixin
 
 from otel_generate import GenerateInstrumentor
-from otel_generate._patch import Patches
 from tests.helpers import prompt, request_spans
 
 PATCHED = ("generate", "_prepare_generated_length", "_get_stopping_criteria")
@@ -165,31 +164,3 @@ def test_a_bound_method_taken_while_instrumented_records_nothing_after_uninstrum
     output = generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
     assert torch.equal(output, reference)
     assert request_spans(span_exporter) == []
-
-
-def test_patches_replace_only_own_attributes_and_restore_removes_what_they_added():
-    class Base:
-        def method(self, x):
-            return x + 1
-
-    class Child(Base):
-        pass
-
-    seen = []
-
-    def factory(original, scale):
-        def method(self, x):
-            seen.append(x)
-            return original(self, x) * scale
-
-        return method
-
-    patches = Patches()
-    assert not patches.replace(Child, "method", factory, 10)  # inherited: not Child's own, left alone
-    assert patches.replace(Base, "method", factory, 10)
-    assert not patches.replace(Base, "method", factory, 10)  # already replaced by this set
-    assert patches.add(Child, "extra", 1) and not patches.add(Child, "extra", 2)
-    assert Child().method(1) == 20 and seen == [1]
-    assert patches.installed() == ((Base, "method"), (Child, "extra"))
-    patches.restore_all()
-    assert Child().method(1) == 2 and "extra" not in vars(Child) and patches.installed() == ()

@@ -12,10 +12,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from otel_generate import GenerateInstrumentor
 from otel_generate import attributes as A
 from otel_generate.figures import cache_bytes
-from otel_generate.policy import MAX_MODELS, MIN_SAMPLES, WINDOW, SlowRequests
 from tests.helpers import only_request, prompt, request_spans, step_spans, uninstrumented_generate
 
 
@@ -130,24 +128,6 @@ def test_uninstrument_drains_the_background_emitter(instrument, gpt2):
     assert len(exporter.spans) == 3 * 5
 
 
-def test_a_full_background_queue_drops_and_counts(caplog):
-    from otel_generate.background import BackgroundEmitter
-
-    release = threading.Event()
-    emitter = BackgroundEmitter(max_pending=2)
-    ran = []
-    assert emitter.submit(release.wait)  # the worker takes it and blocks
-    while emitter.pending() and emitter._jobs:
-        time.sleep(0.001)
-    assert emitter.submit(lambda: ran.append(1)) and emitter.submit(lambda: ran.append(2))
-    assert not emitter.submit(lambda: ran.append(3))  # full
-    assert emitter.dropped == 1
-    release.set()
-    assert emitter.drain(5.0)
-    assert ran == [1, 2]
-    assert "queue is full" in caplog.text
-
-
 # --- the step-span policy and generate.step.latencies ---------------------------------------------------
 
 
@@ -234,36 +214,6 @@ def test_slow_policy_emits_failed_requests_and_none_emits_nothing(instrument, sp
     assert len(request.attributes[A.GENERATE_STEP_LATENCIES]) == 5
 
 
-def test_slowest_fraction_is_kept_per_model_in_bounded_memory():
-    tracker = SlowRequests(time_to_first_token_s=100.0, time_per_output_token_s=100.0, fraction=0.1)
-    # below MIN_SAMPLES nothing is slow by fraction
-    assert [tracker.reason("m", False, 0.001, 0.01) for _ in range(MIN_SAMPLES)] == [None] * MIN_SAMPLES
-    # 100 requests of TPOT 0.01..1.00: the slowest tenth of what came before is slow
-    reasons = [tracker.reason("m", False, 0.001, (i % 100 + 1) / 100) for i in range(100)]
-    assert reasons[-1] == "slowest_fraction" and reasons[0] is None
-    assert tracker.reason("other", False, 0.001, 50.0) is None  # another model: its own distribution
-    for _ in range(WINDOW * 3):
-        tracker.reason("m", False, 0.001, 0.5)
-    assert tracker.models()["m"] == 2 * WINDOW  # the two windows are bounded
-    for i in range(MAX_MODELS + 10):
-        tracker.reason(f"model-{i}", False, 0.001, 0.5)
-    assert len(tracker.models()) == MAX_MODELS
-    assert tracker.reason("x", True, None, None) == "error"
-
-
-def test_invalid_policy_options_are_errors():
-    instrumentor = GenerateInstrumentor()
-    with pytest.raises(ValueError, match="step_spans must be one of all, none, slow"):
-        instrumentor.instrument(step_spans="some")
-    with pytest.raises(TypeError, match="slow_fraction must be a number"):
-        instrumentor.instrument(slow_fraction="0.5")
-    with pytest.raises(ValueError, match="slow_fraction must be between 0 and 1"):
-        instrumentor.instrument(slow_fraction=2)
-    with pytest.raises(ValueError, match="outlier_factor must be >= 1"):
-        instrumentor.instrument(outlier_factor=0.5)
-    assert not instrumentor.is_instrumented_by_opentelemetry
-
-
 # --- step outliers --------------------------------------------------------------------------------------
 
 
@@ -330,7 +280,7 @@ def test_cpu_requests_have_no_memory_figure(instrumented, span_exporter, gpt2):
 
 
 def test_prompt_lookup_counts_proposed_and_accepted_candidates(instrumented, span_exporter, gpt2):
-    from test_instrumentor import NoEos, _repetitive_prompt
+    from tests.integration.test_generate_loop import NoEos, _repetitive_prompt
 
     ids, mask = _repetitive_prompt(gpt2)
     gpt2.generate(
