@@ -1,4 +1,4 @@
-"""A forked child exports only what it recorded (issue 17, item 3).
+"""A forked child exports only what it recorded.
 
 The flow of the issue, in a subprocess with the SDK set up in process: 3 requests in the parent,
 then a ``torch.utils.data.DataLoader(num_workers=2)`` (fork) for 2 epochs, then

@@ -1,4 +1,4 @@
-"""Version ranges admit pre-releases of supported versions, whatever ``packaging`` is installed (issue 9, item 3).
+"""Version ranges admit pre-releases of supported versions, whatever ``packaging`` is installed.
 
 ``packaging`` < 25 refuses ``5.25.0.dev0`` for ``>= 4.46``; OpenTelemetry's two checks then turned
 the instrumentation off (``otel_generate/_versions.py`` says where they are). Here, in subprocesses

@@ -1,4 +1,4 @@
-"""Tensor-parallel and data-parallel ranks (issue 17, item 4): one user call is one request across a
+"""Tensor-parallel and data-parallel ranks: one user call is one request across a
 tensor-parallel group; each data-parallel rank's calls are its own; every span says its rank.
 
 The multi-process cases run ``torchrun --standalone --nproc-per-node 2 tests/helpers/tp_worker.py`` on CPU

@@ -1,4 +1,4 @@
-"""The package as users get it (issue 9, item 6): ``python -m build`` makes a wheel and an sdist, and
+"""The package as users get it: ``python -m build`` makes a wheel and an sdist, and
 the wheel, installed into a fresh venv, runs the example under ``opentelemetry-instrument``.
 
 Installing torch into the fresh venv would download it again (hundreds of MB). Instead the fresh

@@ -1,4 +1,4 @@
-"""Pool workers deliver their telemetry (issue 9, item 1): a bounded flush on the way out of each worker.
+"""Pool workers deliver their telemetry: a bounded flush on the way out of each worker.
 
 * Under ``opentelemetry-instrument``, with the batch span processor's schedule set to 10 minutes
   (nothing is exported before a process exits), ``Pool(2, maxtasksperchild=1)`` runs 10 tasks of
@@ -354,7 +354,7 @@ def test_forked_workers_flush_the_providers_given_to_instrument_until_uninstrume
     pool.join()
     assert [span for span in _lines(spans_path) if span["name"] == "after uninstrument"] == []
 
-    # instrumenting again turns it back on, for a worker that generated (issue 17: a forked child
+    # instrumenting again turns it back on, for a worker that generated (a forked child
     # that recorded no request of its own sends nothing at exit, not even its own spans)
     instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
     try:

@@ -869,7 +869,7 @@ def test_step_spans_and_background_emission_are_passed_to_the_instrumented_runs(
 
 
 def test_sampler_always_off_times_unsampled_requests(capsys):
-    """--sampler always_off (issue 17): every instrumented request unsampled, no span exported, its
+    """--sampler always_off: every instrumented request unsampled, no span exported, its
     metrics still recorded (exported_metric_bytes: the OTLP metric requests hold the latency histograms)."""
     argv = ["--new-tokens", "4", "--runs", "2", "--warmup", "0", "--compare", "--sampler", "always_off"]
     assert run_cli(*argv, "--exporter", "otlp-encode", "--output", "-") == 0

@@ -1,5 +1,5 @@
 """``otel-generate bench --continuous-batching``: waves of requests on one persistent manager, plain
-and instrumented interleaved, throughput and added cost per batch step (issue 12). No timing claim:
+and instrumented interleaved, throughput and added cost per batch step. No timing claim:
 the arithmetic, the order of the runs, the span count and the outputs are checked."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A generation stopped because its client went away is ``cancelled``, not an error (issue 17, item 5).
+"""A generation stopped because its client went away is ``cancelled``, not an error.
 
 ``transformers serve`` (without continuous batching) raises its private ``_GenerationCancelled``
 from the streamer's ``put()`` when the client disconnected; tests/integration/test_serve.py runs the real

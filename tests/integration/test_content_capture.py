@@ -1,4 +1,4 @@
-"""Opt-in content capture (issue 11, items 4 and 5): prompt and completion text on the request span
+"""Opt-in content capture: prompt and completion text on the request span
 and in the ``gen_ai.client.inference.operation.details`` event, step token ids and log-probabilities
 on the step spans, and pipelines carrying the same request span.
 

@@ -1,5 +1,5 @@
 """Continuous batching (transformers 5.17+): one request span per request, in the trace of whoever
-submitted it (issue 12).
+submitted it.
 
 Every case runs the tiny random-weight Llama on the CPU with a small ``ContinuousBatchingConfig``
 (the default one sizes its cache and static tensors from host memory: tens of seconds per call).
@@ -385,7 +385,7 @@ def test_unsampled_requests_time_steps_only_for_the_metrics(
     metrics_on, span_exporter, meter_provider, metric_reader, llama, monkeypatch
 ):
     """Unsampled requests get no span; with an SDK meter provider their steps are still logged, for
-    the latency histograms (every request, sampled or not: issue 17); without one, nothing per step."""
+    the latency histograms (every request, sampled or not); without one, nothing per step."""
     logged = []
     original = CB._log_step
     monkeypatch.setattr(CB, "_log_step", lambda *a, **k: (logged.append(1), original(*a, **k)))

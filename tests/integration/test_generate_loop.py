@@ -498,7 +498,7 @@ def test_not_sampled_does_no_step_work(span_exporter, count_recorders, gpt2):
 
 def test_not_sampled_times_steps_for_the_metrics_only(span_exporter, count_recorders, gpt2, monkeypatch):
     """With a meter provider, an unsampled request runs the step hook (its latencies feed the
-    histograms) but builds nothing else: no span, no attributes, no record (issue 17)."""
+    histograms) but builds nothing else: no span, no attributes, no record."""
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 

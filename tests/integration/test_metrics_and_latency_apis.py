@@ -70,9 +70,9 @@ def test_twenty_requests_of_eight_tokens(instrumented, metric_reader, gpt2):
 def test_every_request_is_in_every_histogram_whatever_the_sampler(
     sampler_name, span_exporter, meter_provider, metric_reader, gpt2
 ):
-    """Issue 17, item 1: ten generate() calls of 8 new tokens under a sampler that keeps none or
-    about one of them: each latency histogram counts 10, the inter-token latency 70, and only a
-    sampled request span is an exemplar."""
+    """Every request in every histogram, sampled or not: ten generate() calls of 8 new tokens under a
+    sampler that keeps none or about one of them: each latency histogram counts 10, the inter-token
+    latency 70, and only a sampled request span is an exemplar."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
@@ -128,7 +128,7 @@ def test_sampled_requests_exemplars_point_at_their_span(instrumented, span_expor
 
 
 def test_inter_token_latency_is_one_gap_per_decode_step(instrumented, span_exporter, metric_reader, gpt2):
-    """Issue 17, item 2: one single-row request of 8 new tokens gives 7 observations, the latencies
+    """One gap per decode step: one single-row request of 8 new tokens gives 7 observations, the latencies
     of its 7 decode step spans."""
     ids, mask = prompt(length=4)
     out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
@@ -240,7 +240,7 @@ def test_bucket_boundaries_are_the_semconv_ones(instrumented, metric_reader, gpt
 def test_a_fault_building_a_sampled_request_span_still_records_its_metrics(
     instrumented, span_exporter, metric_reader, gpt2, monkeypatch
 ):
-    """Every request is in every histogram (issue 17), also when building the sampled span's
+    """Every request is in every histogram, also when building the sampled span's
     attributes faults: the figures then come from the request itself, as for an unsampled one."""
     from otel_generate import emit
 

@@ -1,4 +1,4 @@
-"""One user call, one complete request span (issue 10): strategies, finish reasons, inner calls."""
+"""One user call, one complete request span: strategies, finish reasons, inner calls."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Instrument and uninstrument compose with other tools (issue 9, item 2).
+"""Instrument and uninstrument compose with other tools (wrappers of other tools before and after ours).
 
 ``otel_generate._patch.Patches`` is the one place where this package installs and removes its patches.
 ``uninstrument()`` removes only our wrappers: a foreign wrapt wrapper applied after ours keeps

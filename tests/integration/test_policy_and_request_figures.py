@@ -1,4 +1,4 @@
-"""At scale (issue 13): background emission, the step-span policy, generate.step.latencies,
+"""At scale: background emission, the step-span policy, generate.step.latencies,
 step outliers, and the per-request figures (memory, key/value cache, assisted candidates)."""
 
 from __future__ import annotations

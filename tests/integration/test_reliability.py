@@ -1,4 +1,4 @@
-"""Reliability in production (issue 6): never lose a span silently, never break generate(), never leak.
+"""Reliability in production: never lose a span silently, never break generate(), never leak.
 
 Each test names one guarantee of docs/production.md ("Operating in production"):
 

@@ -1,4 +1,4 @@
-"""GenAI semantic conventions as otel_generate follows them (issue 11): names, types, units,
+"""GenAI semantic conventions as otel_generate follows them: names, types, units,
 streaming, the client duration metric, success-only latency histograms, exemplars, schema URL."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``transformers serve``, with and without ``--continuous-batching``: each HTTP request's
-``text_completion`` span is a child of that request's HTTP server span (issue 12).
+``text_completion`` span is a child of that request's HTTP server span.
 
 The server runs on 127.0.0.1 (an ephemeral port) with the local model and tokenizer that
 ``examples/serve_demo.py`` writes (nothing is downloaded):
@@ -276,7 +276,7 @@ def test_sigterm_right_after_a_request_still_exports_its_spans(mode, model_dir):
     assert request["attributes"][A.GEN_AI_USAGE_OUTPUT_TOKENS] == results[0]["response"]["usage"]["completion_tokens"]
 
 
-# --- a client that goes away, time to first chunk (issue 17, items 5 and 6) ---------------------------
+# --- a client that goes away, time to first chunk -----------------------------------------------------
 
 #: Chunks the client reads before it closes the stream (the user pressed Stop).
 CHUNKS_BEFORE_STOP = 3

@@ -1,4 +1,4 @@
-"""Property test of the token accounting (issue 6, item 10), with hypothesis.
+"""Property test of the token accounting, with hypothesis.
 
 Random small batches, prompt lengths, left padding per row, EOS positions, ``max_new_tokens`` and
 decoding strategies (greedy, multinomial sampling with a fixed seed, beam search with 2 beams and 1

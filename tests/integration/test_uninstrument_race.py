@@ -1,5 +1,5 @@
 """``uninstrument()`` (or the last self-instrumenting ``TokenLatencyProfiler`` closing) while another
-thread's request is being set up (issue 17, item 7): the request completes as an ordinary, fully
+thread's request is being set up: the request completes as an ordinary, fully
 accounted request, never ``generate.steps.incomplete`` nor ``generate.steps.unobserved``.
 
 The window is hit deterministically: the first thread's ``generate()`` stops inside its set-up
