@@ -1,106 +1,18 @@
-"""One user call, one complete request span: strategies, finish reasons, inner calls."""
+"""Paths into ``generate()`` besides the plain loop, each user call one complete request span: Whisper's
+windows and fallback attempts, model classes that override ``generate()`` (and subclasses defined after
+``instrument()``), compiled ``generate()``, multi-token prediction, and the strategy flags that name
+assisted decoding. Finish reasons are in test_finish_reasons.py, ``custom_generate`` in
+test_custom_generate.py."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from otel_generate import attributes as A
 from otel_generate.bench.models import EOS_TOKEN_ID
 from tests.helpers import only_request, prompt, request_spans, step_spans, tiny_models, uninstrumented_generate
 from tests.integration.test_semconv import histogram_points
-
-# --- finish reasons ---------------------------------------------------------------------------------
-
-
-class SleepEachStep(LogitsProcessor):
-    def __init__(self, seconds):
-        self.seconds = seconds
-
-    def __call__(self, input_ids, scores):
-        time.sleep(self.seconds)
-        return scores
-
-
-def test_max_time_ending_a_batch_is_length(instrumented, span_exporter, gpt2):
-    ids, mask = prompt(batch=2, length=4, seed=30)
-    # 400 steps of at least 5 ms cannot finish in 0.3 s, however fast the machine
-    out = gpt2.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=400,
-        max_time=0.3,
-        eos_token_id=None,
-        logits_processor=LogitsProcessorList([SleepEachStep(0.005)]),
-    )
-    new = out.shape[1] - 4
-    assert 1 <= new < 400  # max_time, not the token budget, ended it
-    request = only_request(span_exporter)
-    assert request.attributes[A.GEN_AI_RESPONSE_FINISH_REASONS] == ("length", "length")
-    assert request.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 2 * new
-
-
-def test_forced_eos_at_the_last_budget_position_is_length(instrumented, span_exporter, gpt2):
-    ids, mask = prompt(length=4, seed=31)
-    forced = 126  # the built gpt2 never emits it on this prompt by itself (checked below)
-    plain = uninstrumented_generate(gpt2, ids, attention_mask=mask, max_new_tokens=6, eos_token_id=forced)
-    assert forced not in plain[0, 4:].tolist()
-    out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=6, forced_eos_token_id=forced, eos_token_id=forced)
-    assert out.shape[1] == 10 and int(out[0, -1]) == forced  # EOS written at the last budget position
-    request = only_request(span_exporter)
-    assert request.attributes[A.GEN_AI_RESPONSE_FINISH_REASONS] == ("length",)
-    assert request.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 6
-
-
-class StopRowAt(StoppingCriteria):
-    """Stops row ``row`` once it has ``length`` tokens (a user criterion)."""
-
-    def __init__(self, row, length):
-        self.row, self.length = row, length
-
-    def __call__(self, input_ids, scores, **kwargs):
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        if input_ids.shape[1] >= self.length:
-            done[self.row] = True
-        return done
-
-
-def test_model_eos_and_user_criteria_are_stop(instrumented, span_exporter, gpt2):
-    ids, mask = prompt(batch=2, length=4, seed=32)
-    # row 0 stopped by a user criterion after 3 tokens, row 1 by the budget of 6
-    gpt2.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=6,
-        eos_token_id=None,
-        pad_token_id=0,
-        stopping_criteria=StoppingCriteriaList([StopRowAt(0, 7)]),
-    )
-    # an EOS the model produced by itself: EOS = the token the model emits first on this prompt
-    first = int(
-        uninstrumented_generate(gpt2, ids[:1], attention_mask=mask[:1], max_new_tokens=1, eos_token_id=None)[0, -1]
-    )
-    gpt2.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=6, eos_token_id=first)
-    criterion, eos = sorted(request_spans(span_exporter), key=lambda s: s.start_time)
-    assert criterion.attributes[A.GEN_AI_RESPONSE_FINISH_REASONS] == ("stop", "length")
-    assert eos.attributes[A.GEN_AI_RESPONSE_FINISH_REASONS] == ("stop",)
-    assert eos.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 1
-
-
-def test_stop_string_is_stop(instrumented, span_exporter, gpt2, tokenizer):
-    ids, mask = prompt(length=4, seed=33)
-    plain = uninstrumented_generate(gpt2, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
-    text = tokenizer.decode(plain[0, 4:7])  # the first three generated tokens as text
-    out = gpt2.generate(
-        ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None, stop_strings=[text], tokenizer=tokenizer
-    )
-    assert out.shape[1] <= 7 and torch.equal(out[0], plain[0, : out.shape[1]])  # the stop string ended it
-    request = only_request(span_exporter)
-    assert request.attributes[A.GEN_AI_RESPONSE_FINISH_REASONS] == ("stop",)
-
 
 # --- strategies -----------------------------------------------------------------------------------------
 
@@ -122,119 +34,6 @@ def test_eos_id_constant_is_the_built_models(gpt2):
 
 
 # --- custom_generate --------------------------------------------------------------------------------------
-
-needs_custom_generate = pytest.mark.skipif(
-    not hasattr(__import__("transformers").GenerationMixin, "load_custom_generate"),
-    reason="custom_generate directories arrived in transformers 4.5x",
-)
-
-
-def custom_loop(call_criteria):
-    namespace = {}
-    exec(tiny_models.LOOP_SOURCE, namespace)
-    loop = namespace["loop"]
-
-    def run(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, **kwargs):
-        return loop(
-            model, input_ids, logits_processor, stopping_criteria, generation_config, call_criteria=call_criteria
-        )
-
-    return run
-
-
-@needs_custom_generate
-def test_custom_generate_directory_reentering_generate_is_one_complete_request(
-    instrumented, span_exporter, metric_reader, gpt2, tmp_path
-):
-    ids = torch.tensor([[5, 6, 7, 8]])
-    mask = torch.ones_like(ids)
-    expected = uninstrumented_generate(gpt2, ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None)
-    directory = tiny_models.custom_generate_dir(str(tmp_path / "reenter"), "reenter")
-    out = gpt2.generate(
-        ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None, custom_generate=directory, trust_remote_code=True
-    )
-    assert torch.equal(out, expected)
-    request = only_request(span_exporter)
-    attrs = request.attributes
-    assert attrs[A.GEN_AI_USAGE_INPUT_TOKENS] == 4 and attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 6
-    assert attrs[A.GENERATE_STEPS] == 6 == len(step_spans(span_exporter, request))
-    assert attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] == ("length",)
-    assert attrs[A.GENERATE_STRATEGY] == A.STRATEGY_CUSTOM_GENERATE
-    assert attrs[A.GENERATE_CUSTOM_GENERATE] == directory
-    assert A.GENERATE_STEPS_INCOMPLETE not in attrs and A.GENERATE_STEPS_UNOBSERVED not in attrs
-    assert not [s for s in span_exporter.get_finished_spans() if s.name == A.SPAN_INNER_GENERATE]
-    (duration,) = histogram_points(metric_reader)[A.METRIC_REQUEST_DURATION]
-    assert duration.count == 1
-
-
-@needs_custom_generate
-@pytest.mark.parametrize("kind", ["reenter_blind", "own_loop"])
-def test_custom_generate_loop_that_cannot_be_seen_says_so(instrumented, span_exporter, gpt2, tmp_path, kind):
-    ids = torch.tensor([[5, 6, 7, 8]])
-    mask = torch.ones_like(ids)
-    expected = uninstrumented_generate(gpt2, ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None)
-    directory = tiny_models.custom_generate_dir(str(tmp_path / kind), kind)
-    out = gpt2.generate(
-        ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None, custom_generate=directory, trust_remote_code=True
-    )
-    assert torch.equal(out, expected)
-    attrs = only_request(span_exporter).attributes
-    assert attrs[A.GEN_AI_USAGE_INPUT_TOKENS] == 4 and attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 6
-    assert attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] == ("length",)
-    assert attrs[A.GENERATE_STEPS_UNOBSERVED] == A.UNOBSERVED_CUSTOM_GENERATE
-    assert A.GENERATE_STEPS not in attrs and A.GENERATE_STEPS_INCOMPLETE not in attrs
-    assert attrs[A.GENERATE_CUSTOM_GENERATE] == directory
-    assert step_spans(span_exporter) == []
-
-
-@pytest.mark.skipif(
-    "custom_generate"
-    not in __import__("inspect").signature(__import__("transformers").GenerationMixin.generate).parameters,
-    reason="custom_generate arrived in transformers 4.5x",
-)
-@pytest.mark.parametrize("call_criteria", [True, False])
-def test_custom_generate_callable(instrumented, span_exporter, gpt2, call_criteria):
-    ids = torch.tensor([[5, 6, 7, 8]])
-    mask = torch.ones_like(ids)
-    expected = uninstrumented_generate(gpt2, ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None)
-    loop = custom_loop(call_criteria)
-    out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None, custom_generate=loop)
-    assert torch.equal(out, expected)
-    attrs = only_request(span_exporter).attributes
-    assert attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 6 and attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] == ("length",)
-    assert attrs[A.GENERATE_STRATEGY] == A.STRATEGY_CUSTOM_GENERATE
-    assert attrs[A.GENERATE_CUSTOM_GENERATE].endswith("custom_loop.<locals>.run")
-    assert A.GENERATE_STEPS_INCOMPLETE not in attrs
-    if call_criteria:
-        assert attrs[A.GENERATE_STEPS] == 6 and A.GENERATE_STEPS_UNOBSERVED not in attrs
-    else:
-        assert attrs[A.GENERATE_STEPS_UNOBSERVED] == A.UNOBSERVED_CUSTOM_GENERATE and A.GENERATE_STEPS not in attrs
-
-
-@needs_custom_generate
-@pytest.mark.parametrize("kind", ["reenter", "own_loop"])
-def test_checkpoint_shipping_custom_generate(instrumented, span_exporter, gpt2, tmp_path, kind):
-    """from_pretrained(trust_remote_code=True) sets model.generate on the instance, past every class hook."""
-    import transformers
-
-    ids = torch.tensor([[5, 6, 7, 8]])
-    mask = torch.ones_like(ids)
-    expected = uninstrumented_generate(gpt2, ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None)
-    directory = tiny_models.custom_generate_dir(str(tmp_path / kind), kind)
-    gpt2.save_pretrained(directory)
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, local_files_only=True)
-    assert "generate" in vars(model.eval())
-    # the partial binds model= by keyword, so the prompt goes by keyword too (transformers' own quirk)
-    out = model.generate(inputs=ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None)
-    assert torch.equal(out, expected)
-    attrs = only_request(span_exporter).attributes
-    assert attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 6 and attrs[A.GEN_AI_USAGE_INPUT_TOKENS] == 4
-    assert attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] == ("length",)
-    assert A.GENERATE_STEPS_INCOMPLETE not in attrs
-    if kind == "reenter":
-        assert attrs[A.GENERATE_STEPS] == 6
-    else:
-        assert attrs[A.GENERATE_STEPS_UNOBSERVED] == A.UNOBSERVED_CUSTOM_GENERATE
 
 
 # --- Whisper: one request for all windows and attempts -----------------------------------------------------
