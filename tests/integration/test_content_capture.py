@@ -385,20 +385,6 @@ def test_keyword_wins_over_the_environment_and_is_validated(
     assert not fresh.is_instrumented_by_opentelemetry
 
 
-def test_util_genai_mode_enum_is_accepted():
-    import enum
-
-    class ContentCapturingMode(enum.Enum):  # the shape of opentelemetry.util.genai.types.ContentCapturingMode
-        NO_CONTENT = 0
-        SPAN_ONLY = 1
-        EVENT_ONLY = 2
-        SPAN_AND_EVENT = 3
-
-    assert [content.parse_mode(m) for m in ContentCapturingMode] == list(content.ContentMode)
-    assert content.parse_mode(True) is content.ContentMode.SPAN_ONLY
-    assert content.parse_mode(False) is content.ContentMode.NO_CONTENT
-
-
 # --- where the text comes from --------------------------------------------------------------------
 
 
