@@ -127,6 +127,23 @@ def test_step_span_policy_none_is_passed_through(tmp_path):
     assert cmp["step_spans"] == "none" and cmp["spans_exported"] == cmp["spans_expected"] == 2
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--requests", "4"], "--requests applies to --continuous-batching"),
+        (["--continuous-batching", "--requests", "0"], "--requests must be at least 1"),
+        (["--continuous-batching", "--batch-size", "2"], "--batch-size does not apply to --continuous-batching"),
+        (["--continuous-batching", "--plot", "x.png"], "--plot does not apply to --continuous-batching"),
+    ],
+)
+def test_invalid_continuous_batching_options_exit_2(tmp_path, capsys, argv, message):
+    out = tmp_path / "out.json"
+    assert run_cli(*argv, "--output", str(out)) == 2
+    err = capsys.readouterr().err
+    assert message in err and "otel-generate bench: error:" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.skipif(_continuous_batching_available(), reason="this transformers has continuous batching")
 def test_without_continuous_batching_the_bench_says_so(tmp_path, capsys):
     out = tmp_path / "out.json"
