@@ -1,0 +1,150 @@
+"""The real backends of the end-to-end tests, started through ``collector/local.sh``.
+
+``collector/local.sh up`` (Jaeger, the Collector with ``collector/otel-collector.yaml``,
+Prometheus) or ``up --scale`` (Jaeger, the agent and two gateways) builds the binaries once
+(``collector/build.sh``: Go and the Go module proxy), starts the processes on loopback and prints
+``NAME=value`` lines; ``down`` stops them. :func:`local_stack` wraps that for a fixture.
+
+A missing prerequisite (Go to build the binaries, Debian's ``prometheus``, ``chromium``) skips
+the test and says how to get it, except where backends are required: with
+``OTEL_GENERATE_REQUIRE_BACKENDS=1`` (``.ci/run`` sets it) or ``CI=true`` it is a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL_SH = REPO / "collector" / "local.sh"
+BUILD_SH = REPO / "collector" / "build.sh"
+#: collector/build.sh's exit status when Go is missing.
+NO_GO = 3
+#: Bound on `local.sh up` (a first build on 2 cores takes minutes; a built one starts in seconds).
+UP_TIMEOUT_S = 1800
+DOWN_TIMEOUT_S = 60
+
+
+def backends_required() -> bool:
+    return os.environ.get("OTEL_GENERATE_REQUIRE_BACKENDS") == "1" or os.environ.get("CI", "").lower() == "true"
+
+
+def missing(reason: str) -> None:
+    """Skip for ``reason``, or fail where backends are required."""
+    if backends_required():
+        pytest.fail(f"{reason} (backends are required here: OTEL_GENERATE_REQUIRE_BACKENDS=1 or CI=true)")
+    pytest.skip(reason)
+
+
+def require_executable(name: str, how: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        missing(f"{name} not found: {how}")
+    return path
+
+
+def parse_lines(stdout: str) -> dict:
+    """``NAME=value`` lines → dict (other lines ignored)."""
+    out = {}
+    for line in stdout.splitlines():
+        name, sep, value = line.partition("=")
+        if sep and name.isidentifier() and name.isupper():
+            out[name] = value
+    return out
+
+
+def build() -> dict:
+    """Build (or find) the binaries: ``{"OTELCOL": path, "JAEGER": path}``."""
+    result = subprocess.run([str(BUILD_SH)], capture_output=True, text=True, timeout=UP_TIMEOUT_S)
+    if result.returncode == NO_GO:
+        missing(
+            "Go is not installed: collector/build.sh needs Go 1.26 and the Go module proxy "
+            "to build the Collector and Jaeger"
+        )
+    assert result.returncode == 0, f"collector/build.sh failed:\n{result.stderr[-5000:]}"
+    return parse_lines(result.stdout)
+
+
+def down() -> subprocess.CompletedProcess:
+    return subprocess.run([str(LOCAL_SH), "down"], capture_output=True, text=True, timeout=DOWN_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def local_stack(*args: str):
+    """``collector/local.sh up *args`` → the printed endpoints; ``down`` on the way out."""
+    build()
+    if "--scale" not in args:
+        require_executable("prometheus", "apt-get install prometheus (Debian's package, 2.42)")
+    result = subprocess.run([str(LOCAL_SH), "up", *args], capture_output=True, text=True, timeout=UP_TIMEOUT_S)
+    try:
+        assert result.returncode == 0, f"collector/local.sh up {' '.join(args)} failed:\n{result.stderr[-5000:]}"
+        yield parse_lines(result.stdout)
+    finally:
+        stopped = down()
+        assert stopped.returncode == 0, stopped.stderr
+
+
+def state_dir() -> Path:
+    """Where ``collector/local.sh`` keeps its pid files and logs (one folder per tier)."""
+    cache = os.environ.get("OTEL_GENERATE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "otel-generate"
+    )
+    return Path(os.environ.get("OTEL_GENERATE_LOCAL_STATE") or os.path.join(cache, "local"))
+
+
+def deprecation_warnings(tier: str) -> list:
+    """Lines of the tier's Collector logs that warn of a deprecated name (an alias in a config)."""
+    lines = []
+    for log in sorted((state_dir() / tier).glob("otel-*.log")):
+        lines += [line for line in log.read_text(errors="replace").splitlines() if "deprecated" in line.lower()]
+    return lines
+
+
+def get_json(url: str, params: dict | None = None):
+    if params:
+        url += "?" + urllib.parse.urlencode(params)
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.load(response)
+
+
+def jaeger_traces(jaeger_ui: str, service: str, limit: int = 1000) -> list:
+    """Every trace of ``service`` in Jaeger (query API ``/api/traces``), as Jaeger's JSON."""
+    try:
+        data = get_json(f"{jaeger_ui}/api/traces", {"service": service, "limit": limit, "lookback": "1h"})
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:  # service not seen yet
+            return []
+        raise
+    return data["data"] or []
+
+
+def wait_for(check, timeout_s: float, interval_s: float = 0.5):
+    """Call ``check()`` until it returns something truthy (returned) or ``timeout_s`` passes (the
+    last value is returned)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
+
+
+def span_tags(span: dict) -> dict:
+    """Jaeger's ``tags`` list → ``{key: value}``."""
+    return {tag["key"]: tag["value"] for tag in span.get("tags", [])}
+
+
+def parent_id(span: dict):
+    for ref in span.get("references", []):
+        if ref["refType"] == "CHILD_OF":
+            return ref["spanID"]
+    return None

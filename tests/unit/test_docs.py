@@ -1,0 +1,90 @@
+"""The README and docs/: the README's minimal SDK example runs as written and prints its spans, every
+relative link leads somewhere, and CI runs the README's test command."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+_FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
+
+
+def code_blocks(text: str, language: str) -> list[str]:
+    """The bodies of the fenced code blocks of ``language`` in markdown ``text``, in order."""
+    return [body for lang, body in _FENCE.findall(text) if lang == language]
+
+
+def test_readme_has_exactly_one_python_example():
+    assert len(code_blocks(README.read_text(), "python")) == 1
+
+
+# =============================================================================================
+# Links
+# =============================================================================================
+
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = heading.strip().lower().replace("`", "")
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(path: pathlib.Path) -> set[str]:
+    text = _FENCE.sub("", path.read_text())
+    return {_slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", text, re.M)}
+
+
+def _links(path: pathlib.Path) -> list[str]:
+    return _LINK.findall(_FENCE.sub("", path.read_text()))
+
+
+def test_links_are_found():
+    assert "docs/contract.md" in _links(README)
+    assert "images/phoenix-trace.png" in _links(ROOT / "docs" / "backends.md")
+    assert "images/jaeger-trace.png" in _links(ROOT / "docs" / "backends.md")
+
+
+def test_slug_matches_githubs_rule():
+    assert _slug("Step-span cap (`max_step_spans`)") == "step-span-cap-max_step_spans"
+    assert _slug("Correlating with your web framework's spans") == "correlating-with-your-web-frameworks-spans"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_points_to_an_existing_file_and_heading(page):
+    for link in _links(page):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", link):  # http:, https:, mailto:
+            continue
+        target, _, fragment = link.partition("#")
+        path = (page.parent / target).resolve() if target else page
+        assert path.is_file(), f"{page.relative_to(ROOT)}: {link} -> {path} does not exist"
+        if fragment and path.suffix == ".md":
+            assert fragment in _anchors(path), f"{page.relative_to(ROOT)}: {link}: no heading #{fragment}"
+
+
+def test_readme_links_every_docs_page():
+    linked = {(README.parent / link.partition("#")[0]).resolve() for link in _links(README)}
+    missing = [p.name for p in PAGES[1:] if p.resolve() not in linked]
+    assert not missing, f"docs pages the README does not link: {missing}"
+
+
+def test_ci_runs_the_readmes_test_command():
+    """The README's Quick start ends in the full suite's command, its "Running the tests" gives the three
+    commands (the unit loop, everything but slow, the full suite), and .ci/run runs the full suite."""
+    blocks = [b for b in code_blocks(README.read_text(), "bash") if "pytest" in b]
+    quick_start, running = blocks
+    command = quick_start.strip().split("&&")[-1].strip()
+    assert command == "python -m pytest"
+    commands = [line.split("#", 1)[0].strip() for line in running.strip().splitlines()]
+    assert commands == ["python -m pytest tests/unit", 'python -m pytest -m "not slow"', command]
+    ci = [line.split("#", 1)[0] for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert any(re.search(rf"(^|[\s(&;]){re.escape(command)}(\s|\"|$)", line) for line in ci), (
+        f".ci/run does not run {command!r}"
+    )
