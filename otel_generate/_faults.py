@@ -8,6 +8,67 @@ import threading
 LOGGER_NAME = "otel_generate"
 _LOG = logging.getLogger(LOGGER_NAME)
 
+
+class Fault:
+    """Every kind of fault :func:`log_fault_once` logs: one constant per place that can fail.
+
+    The value is what the WARNING says (``otel_generate: <kind> failed (...)``) and the key that
+    logs it once per process. Kinds built per module come from :meth:`hook_install` and
+    :meth:`import_hook_install`.
+    """
+
+    ASSISTED_CANDIDATES_COUNT = "assisted candidates count"
+    BACKGROUND_EMISSION = "background emission"
+    CONTENT_CAPTURE = "content capture"
+    CONTENT_EVENT = "content event"
+    CONTEXT_DETACH = "context detach"
+    CONTINUOUS_BATCHING_ACCOUNTING = "continuous batching accounting"
+    CONTINUOUS_BATCHING_CANCEL = "continuous batching cancel"
+    CONTINUOUS_BATCHING_DELIVERY = "continuous batching delivery"
+    CONTINUOUS_BATCHING_STEP = "continuous batching step"
+    CONTINUOUS_BATCHING_SUBMIT = "continuous batching submit"
+    CONTINUOUS_BATCHING_UNINSTRUMENT = "continuous batching uninstrument"
+    DEVICE_SYNCHRONIZE = "device synchronize"
+    DISTRIBUTED_RANKS = "distributed ranks"
+    FAST_HISTOGRAM = "fast histogram"
+    FAST_HISTOGRAM_CHECK = "fast histogram check"
+    FAST_STEP_SPANS = "fast step spans"
+    FAST_STEP_SPANS_CHECK = "fast step spans check"
+    GENERATE_OVERRIDE_HOOK = "generate override hook"
+    GENERATION_CONFIG_CAPTURE = "generation config capture"
+    KEY_VALUE_CACHE_CAPTURE = "key/value cache capture"
+    KEY_VALUE_CACHE_SIZE = "key/value cache size"
+    MEMORY_STATISTICS = "memory statistics"
+    METRICS = "metrics"
+    PER_TOKEN_LATENCY_CALLBACK = "per_token_latency_callback"
+    PIPELINE_TOKENIZER_LOOKUP = "pipeline tokenizer lookup"
+    PROFILER = "profiler"
+    REQUEST_ACCOUNTING = "request accounting"
+    REQUEST_SET_UPS_AFTER_FORK = "request set-ups after fork"
+    REQUEST_SPAN_END = "request span end"
+    REQUEST_START = "request start"
+    SERVE_CONTEXT_CAPTURE = "serve context capture"
+    SERVE_SHUTDOWN_FLUSH_INSTALL = "serve shutdown flush install"
+    STEP_HOOK = "step hook"
+    STEP_HOOK_INSTALL = "step hook install"
+    STEP_LOG_PROBABILITIES = "step log-probabilities"
+    STEP_LOG_PROBABILITIES_INSTALL = "step log-probabilities install"
+    STEP_SPAN_EXPORT = "step span export"
+    TOKEN_LATENCIES = "token_latencies"
+    WHISPER_FALLBACK_CAPTURE = "whisper fallback capture"
+    WHISPER_WINDOW_CAPTURE = "whisper window capture"
+
+    @staticmethod
+    def hook_install(module: str) -> str:
+        """The kind for installing the patch-table rows of ``module`` (one per module)."""
+        return f"{module} hook install"
+
+    @staticmethod
+    def import_hook_install(module: str) -> str:
+        """The kind for a post-import hook of ``module`` that failed to run."""
+        return f"hook install on import of {module}"
+
+
 _logged_lock = threading.Lock()
 _logged_kinds: set = set()
 

@@ -73,7 +73,9 @@ from typing import Any, Iterable, List, Optional, Tuple
 
 from opentelemetry import metrics, trace
 
-_LOG = logging.getLogger("otel_generate")
+from otel_generate._faults import LOGGER_NAME
+
+_LOG = logging.getLogger(LOGGER_NAME)
 
 #: Default of the OTLP exporters' timeout (seconds), the bound when no variable sets one.
 DEFAULT_EXPORT_TIMEOUT_S = 10.0

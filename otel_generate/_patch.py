@@ -36,9 +36,9 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import wrapt
 
-from otel_generate._faults import log_fault_once
+from otel_generate._faults import LOGGER_NAME, Fault, log_fault_once
 
-_LOG = logging.getLogger("otel_generate")
+_LOG = logging.getLogger(LOGGER_NAME)
 _MISSING = object()
 #: wrapt's proxy base class (``BaseObjectProxy`` in wrapt 2, ``ObjectProxy`` in wrapt 1): its
 #: ``__wrapped__`` can be re-pointed.
@@ -63,7 +63,7 @@ class _ImportHook:
         try:
             installer(module)
         except Exception as fault:  # never break the application's import
-            log_fault_once(f"hook install on import of {self.module}", fault)
+            log_fault_once(Fault.import_hook_install(self.module), fault)
 
     def cancel(self) -> None:
         self.installer = None

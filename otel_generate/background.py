@@ -31,7 +31,7 @@ import time
 import weakref
 from typing import Callable, Deque, Optional
 
-from otel_generate._faults import log_fault_once
+from otel_generate._faults import Fault, log_fault_once
 from otel_generate._patch import Patches
 
 #: Requests waiting at most, by default.
@@ -94,10 +94,10 @@ class BackgroundEmitter:
             try:
                 job()
             except Exception as fault:
-                log_fault_once("background emission", fault)
+                log_fault_once(Fault.BACKGROUND_EMISSION, fault)
             return True
         log_fault_once(
-            "background emission",
+            Fault.BACKGROUND_EMISSION,
             RuntimeError(
                 f"the background emitter's queue is full ({self.max_pending} requests); requests are dropped and "
                 "counted"
@@ -142,7 +142,7 @@ class BackgroundEmitter:
             try:
                 job()
             except Exception as fault:  # a job never kills the worker
-                log_fault_once("background emission", fault)
+                log_fault_once(Fault.BACKGROUND_EMISSION, fault)
             finally:
                 with self._lock:
                     self._busy = False

@@ -36,7 +36,7 @@ import math
 import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from otel_generate._faults import log_fault_once
+from otel_generate._faults import Fault, log_fault_once
 
 
 class _NotEligible(Exception):
@@ -147,7 +147,7 @@ class FastHistogram:
                 return None
             return cls(histogram)
         except Exception as fault:  # an SDK whose internals look otherwise: the public path
-            log_fault_once("fast histogram check", fault)
+            log_fault_once(Fault.FAST_HISTOGRAM_CHECK, fault)
             return None
 
     def _targets(self, cleaned: Any) -> List[Tuple[Any, Optional[Sequence[float]]]]:
@@ -252,7 +252,7 @@ class FastHistogram:
                 targets = None
             except Exception as fault:
                 self.broken = True
-                log_fault_once("fast histogram", fault)
+                log_fault_once(Fault.FAST_HISTOGRAM, fault)
                 targets = None
         if targets is None:
             for value in rest:  # the public path (which creates the aggregations the next call finds)

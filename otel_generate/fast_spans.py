@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from otel_generate._faults import log_fault_once
+from otel_generate._faults import Fault, log_fault_once
 
 #: Step spans with at most this many attributes, all numbers or bools, may take the fast path.
 MAX_FAST_ATTRIBUTES = 8
@@ -145,7 +145,7 @@ class FastStepSpans:
         except (ImportError, TypeError):  # an SDK whose internals look otherwise: the public path
             return None
         except Exception as fault:  # an SDK whose internals look otherwise: the public path
-            log_fault_once("fast step spans check", fault)
+            log_fault_once(Fault.FAST_STEP_SPANS_CHECK, fault)
             return None
 
     def _flags(self, parent: Any, sampling: Any) -> tuple:
@@ -219,7 +219,7 @@ class FastStepSpans:
             span.__dict__ = fields
         except Exception as fault:
             self.broken = True
-            log_fault_once("fast step spans", fault)
+            log_fault_once(Fault.FAST_STEP_SPANS, fault)
             return False
         for on_end in self._on_ends:  # SynchronousMultiSpanProcessor.on_end, without its call
             on_end(span)  # a processor's exception is the caller's to handle, as for Span.end()

@@ -25,7 +25,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from otel_generate import _lifecycle, package
 from otel_generate import content as _content
 from otel_generate import options as _options
-from otel_generate._faults import LOGGER_NAME, log_fault_once
+from otel_generate._faults import LOGGER_NAME, Fault, log_fault_once
 from otel_generate._patch import Patches
 from otel_generate.emit import Telemetry, create_instruments, get_event_logger, get_tracer
 
@@ -133,7 +133,7 @@ def _replace_in_subclasses(patches: Patches, telemetry: Telemetry, root: type, r
             try:
                 hook(cls)
             except Exception as fault:  # never break class creation
-                log_fault_once("generate override hook", fault)
+                log_fault_once(Fault.GENERATE_OVERRIDE_HOOK, fault)
 
     patches.add(root, "__init_subclass__", classmethod(__init_subclass__))
 
@@ -201,7 +201,7 @@ def install(patches: Patches, telemetry: Telemetry, when: Collection[str] = ("al
             try:
                 _install_module(patches, telemetry, name, rows, module)
             except Exception as fault:  # never break the application's import
-                log_fault_once(f"{name} hook install", fault)
+                log_fault_once(Fault.hook_install(name), fault)
 
         patches.on_import(name, installer)
 

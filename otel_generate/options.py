@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, TypeVar
 
 from otel_generate import content as _content
+from otel_generate._faults import LOGGER_NAME
 
-_LOG = logging.getLogger("otel_generate")
+_LOG = logging.getLogger(LOGGER_NAME)
 T = TypeVar("T")
 
 ENV_SYNCHRONIZE = "OTEL_GENERATE_SYNCHRONIZE"

@@ -40,7 +40,7 @@ import weakref
 from typing import Any, Dict, Optional, Tuple
 
 from otel_generate import attributes as A
-from otel_generate._faults import log_fault_once
+from otel_generate._faults import Fault, log_fault_once
 
 #: model -> _ModelRanks (or None when the model is not sharded by tensor parallelism)
 _MODELS: "weakref.WeakKeyDictionary[Any, Optional[_ModelRanks]]" = weakref.WeakKeyDictionary()
@@ -152,7 +152,7 @@ def placement(model: Any, mode: str) -> Optional[Placement]:
             attributes[A.GENERATE_DISTRIBUTED_WORLD_SIZE] = world[1]
         return Placement(silent, metrics, attributes)
     except Exception as fault:
-        log_fault_once("distributed ranks", fault)
+        log_fault_once(Fault.DISTRIBUTED_RANKS, fault)
         return None
 
 
@@ -170,7 +170,7 @@ def attributes_of(model: Any) -> Dict[str, Any]:
         group = _model_ranks(model)
         world = distributed_ranks()
     except Exception as fault:
-        log_fault_once("distributed ranks", fault)
+        log_fault_once(Fault.DISTRIBUTED_RANKS, fault)
         return {}
     attributes: Dict[str, Any] = {}
     if group is not None:

@@ -19,7 +19,7 @@ import weakref
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from otel_generate import clock, emit
-from otel_generate._faults import log_fault_once
+from otel_generate._faults import Fault, log_fault_once
 from otel_generate.integrations import cb_derive
 from otel_generate.integrations.cb_records import (
     AsyncBatchLog,
@@ -170,7 +170,7 @@ class ManagerState:
                     continue
                 request = self.request_of(record, outcome)
             except Exception as fault:
-                log_fault_once("continuous batching accounting", fault)
+                log_fault_once(Fault.CONTINUOUS_BATCHING_ACCOUNTING, fault)
                 if record.group is not None:
                     continue  # the group reports the row as missing
                 # the span still ends, marked incomplete; the other requests are not affected
@@ -350,7 +350,7 @@ def end_in_flight(telemetry: emit.Telemetry) -> None:
                     request = state.incomplete_request(record, now)
                 emit.finish(telemetry, record.span, request, record.profilers)
         except Exception as fault:
-            log_fault_once("continuous batching uninstrument", fault)
+            log_fault_once(Fault.CONTINUOUS_BATCHING_UNINSTRUMENT, fault)
 
 
 # --- paged generate(): the rows of one generate() call ---------------------------------------------

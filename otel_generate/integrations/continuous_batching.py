@@ -56,7 +56,7 @@ from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from otel_generate import attributes as A
 from otel_generate import clock, emit, ranks
-from otel_generate._faults import log_fault_once
+from otel_generate._faults import LOGGER_NAME, Fault, log_fault_once
 from otel_generate.integrations.cb_manager import (
     STATE_ATTR,
     ManagerState,
@@ -88,7 +88,7 @@ __all__ = [
     "state_of",
 ]
 
-_LOG = logging.getLogger("otel_generate")
+_LOG = logging.getLogger(LOGGER_NAME)
 
 MODULE = "transformers.generation.continuous_batching.continuous_api"
 
@@ -180,7 +180,7 @@ def make_add_request(original: Callable, telemetry: emit.Telemetry) -> Callable:
             context = otel_context.get_current()
             state.enter_submission()
         except Exception as fault:
-            log_fault_once("continuous batching submit", fault)
+            log_fault_once(Fault.CONTINUOUS_BATCHING_SUBMIT, fault)
             return original(self, *args, **kwargs)
         try:
             request_id = original(self, *args, **kwargs)
@@ -206,7 +206,7 @@ def make_add_request(original: Callable, telemetry: emit.Telemetry) -> Callable:
             state.register(record)
         except Exception as fault:
             state.abandon_submission()
-            log_fault_once("continuous batching submit", fault)
+            log_fault_once(Fault.CONTINUOUS_BATCHING_SUBMIT, fault)
         return request_id
 
     return add_request
@@ -282,7 +282,7 @@ def make_generation_loop_body(original: Callable, telemetry: emit.Telemetry) -> 
                 try:
                     _log_step(state, self, args, kwargs, start, end)
                 except Exception as fault:
-                    log_fault_once("continuous batching step", fault)
+                    log_fault_once(Fault.CONTINUOUS_BATCHING_STEP, fault)
         else:
             state.last_t1 = None
         state.body = 0
@@ -329,7 +329,7 @@ def _make_deliver(original: Callable, telemetry: emit.Telemetry, single: bool) -
                 state.last_delivery_body = body
                 state.trigger()  # before the caller can see the output: a flush then waits for its span
             except Exception as fault:
-                log_fault_once("continuous batching delivery", fault)
+                log_fault_once(Fault.CONTINUOUS_BATCHING_DELIVERY, fault)
         return original(self, *args, **kwargs)
 
     return deliver
@@ -359,7 +359,7 @@ def make_cancel_request(original: Callable, telemetry: emit.Telemetry) -> Callab
                     state.cancelled.append(Cancel(clock.monotonic_ns(), request_id, state.body))
                     state.trigger()
             except Exception as fault:
-                log_fault_once("continuous batching cancel", fault)
+                log_fault_once(Fault.CONTINUOUS_BATCHING_CANCEL, fault)
         return result
 
     return cancel_request

@@ -44,7 +44,7 @@ from transformers.generation.logits_process import LogitsProcessor
 
 from otel_generate import attributes as A
 from otel_generate import emit
-from otel_generate._faults import LOGGER_NAME, log_fault_once
+from otel_generate._faults import LOGGER_NAME, Fault, log_fault_once
 from otel_generate.content import input_messages, output_messages
 from otel_generate.integrations import pipelines
 from otel_generate.integrations._routing import _ACTIVE, _sequences, compiler_disabled, strategy_of
@@ -108,7 +108,7 @@ def fill_request(call: Any, loops: Sequence[Any], result: Any) -> None:
     try:
         _fill(call, loops, result)
     except Exception as fault:
-        log_fault_once("content capture", fault)
+        log_fault_once(Fault.CONTENT_CAPTURE, fault)
     finally:
         for loop in loops:
             loop.step_logprobs = None  # holds the last step's scores tensor
@@ -247,7 +247,7 @@ class StepLogprobs(LogitsProcessor):
                 self._previous = scores
             except Exception as fault:  # never break generation
                 self.fault = fault
-                log_fault_once("step log-probabilities", fault)
+                log_fault_once(Fault.STEP_LOG_PROBABILITIES, fault)
         return scores
 
     def values_per_step(self, sequences: Any, prompt_length: int, steps: int) -> Optional[List[List[float]]]:
@@ -300,7 +300,7 @@ def make_get_logits_processor(original: Callable, telemetry: emit.Telemetry) -> 
                     processors.append(recorder)
                     loop.step_logprobs = recorder
             except Exception as fault:
-                log_fault_once("step log-probabilities install", fault)
+                log_fault_once(Fault.STEP_LOG_PROBABILITIES_INSTALL, fault)
         return processors
 
     return compiler_disabled(_get_logits_processor)

@@ -38,7 +38,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from otel_generate import cancellation, clock, emit, figures, ranks
-from otel_generate._faults import LOGGER_NAME, log_fault_once
+from otel_generate._faults import LOGGER_NAME, Fault, log_fault_once
 from otel_generate.integrations._routing import (  # noqa: F401  (re-exported: continuous_batching, tests)
     _ACTIVE,
     _NESTED,
@@ -90,12 +90,12 @@ def finish(call: Call, result: Any = None, exc: Optional[BaseException] = None) 
             call.content.fill(call, loops, result)
     except Exception as fault:
         request.incomplete = True
-        log_fault_once("request accounting", fault)
+        log_fault_once(Fault.REQUEST_ACCOUNTING, fault)
     finally:
         try:
             otel_context.detach(call.context_token)
         except Exception as fault:  # pragma: no cover - context mismatch across threads
-            log_fault_once("context detach", fault)
+            log_fault_once(Fault.CONTEXT_DETACH, fault)
         if request.end_ns is None:
             try:
                 request.end_ns = clock.monotonic_ns()
@@ -115,7 +115,7 @@ def finish(call: Call, result: Any = None, exc: Optional[BaseException] = None) 
             else:
                 object.__setattr__(result, "token_latencies", list(record.step_latencies_s))
         except Exception as fault:
-            log_fault_once("token_latencies", fault)
+            log_fault_once(Fault.TOKEN_LATENCIES, fault)
     # The loops' recorders call back into this call, and the exception's traceback holds the
     # wrappers' frames (reference cycles): drop both, so the call (prompt tensors, the caller's
     # kwargs) is freed when generate() returns, not at a later gc.
@@ -133,7 +133,7 @@ def _content_capture(telemetry: emit.Telemetry) -> Any:
     try:
         from otel_generate.integrations.generate_content import CAPTURE
     except Exception as fault:  # never break generate()
-        log_fault_once("content capture", fault)
+        log_fault_once(Fault.CONTENT_CAPTURE, fault)
         return None
     return CAPTURE
 
@@ -183,7 +183,7 @@ def run_request(
     try:
         call = Call(telemetry, model, args, kwargs, extras, custom_generate=custom_generate)
     except Exception as fault:
-        log_fault_once("request start", fault)
+        log_fault_once(Fault.REQUEST_START, fault)
         return original(*call_args, **kwargs)
     call.content = _content_capture(telemetry)
     if placement is not None:
@@ -311,7 +311,7 @@ def make_prepare_generated_length(original: Callable, telemetry: emit.Telemetry)
                     result, bound.get("input_ids_length"), bound.get("inputs_tensor"), bound.get("model_input_name")
                 )
             except Exception as fault:
-                log_fault_once("generation config capture", fault)
+                log_fault_once(Fault.GENERATION_CONFIG_CAPTURE, fault)
         return result
 
     return compiler_disabled(_prepare_generated_length)
@@ -333,7 +333,7 @@ def make_get_stopping_criteria(original: Callable, telemetry: emit.Telemetry) ->
                 return loop.recording_criteria(criteria, config)
             except Exception as fault:
                 loop.incomplete = True
-                log_fault_once("step hook install", fault)
+                log_fault_once(Fault.STEP_HOOK_INSTALL, fault)
         return criteria
 
     return compiler_disabled(_get_stopping_criteria)
@@ -352,7 +352,7 @@ def make_get_candidate_generator(original: Callable, telemetry: emit.Telemetry) 
                 try:
                     figures.count_candidates(generator, frame)
                 except Exception as fault:
-                    log_fault_once("assisted candidates count", fault)
+                    log_fault_once(Fault.ASSISTED_CANDIDATES_COUNT, fault)
         return generator
 
     return compiler_disabled(_get_candidate_generator)
@@ -374,7 +374,7 @@ def make_prepare_cache_for_generation(original: Callable, telemetry: emit.Teleme
                         loop.cache = model_kwargs[name]
                         break
             except Exception as fault:
-                log_fault_once("key/value cache capture", fault)
+                log_fault_once(Fault.KEY_VALUE_CACHE_CAPTURE, fault)
         return result
 
     return compiler_disabled(_prepare_cache_for_generation)

@@ -29,7 +29,7 @@ from opentelemetry import trace
 
 from otel_generate import attributes as A
 from otel_generate import clock, emit, figures
-from otel_generate._faults import log_fault_once
+from otel_generate._faults import Fault, log_fault_once
 from otel_generate.integrations._routing import (
     ROW_ALIGNED,
     CallFrame,
@@ -143,7 +143,7 @@ class Call(CallFrame):
                         self.sync = clock.synchronizer_for(devices)
                     except ValueError as fault:  # a device type with no synchronize we know of
                         synchronized = False
-                        log_fault_once("device synchronize", fault)
+                        log_fault_once(Fault.DEVICE_SYNCHRONIZE, fault)
             self.request = Request(
                 model=self.name, start_ns=0, start_wall_ns=0, timed=self.timed, synchronized=synchronized, device=device
             )
@@ -218,7 +218,7 @@ class Call(CallFrame):
             return read(self.memory_device)
         except Exception as fault:
             self.memory_device = None
-            log_fault_once("memory statistics", fault)
+            log_fault_once(Fault.MEMORY_STATISTICS, fault)
             return None
 
     def synchronize(self) -> None:
@@ -231,7 +231,7 @@ class Call(CallFrame):
             self.sync = None
             self.request.synchronized = False
             self.request.incomplete = True
-            log_fault_once("device synchronize", fault)
+            log_fault_once(Fault.DEVICE_SYNCHRONIZE, fault)
 
     def release(self) -> None:
         """Let go of the loops: their recorders call back into this call, so the call (prompt
@@ -363,7 +363,7 @@ class Loop(LoopFrame):
             try:
                 self.kv_cache_bytes = figures.cache_bytes(self.cache)
             except Exception as fault:
-                log_fault_once("key/value cache size", fault)
+                log_fault_once(Fault.KEY_VALUE_CACHE_SIZE, fault)
             self.cache = None
 
 

@@ -24,7 +24,7 @@ import functools
 from typing import Any, Callable, Optional
 
 from otel_generate import emit
-from otel_generate._faults import log_fault_once
+from otel_generate._faults import Fault, log_fault_once
 
 MODULE = "transformers.pipelines.base"
 
@@ -61,7 +61,7 @@ def make_forward(original: Callable, telemetry: emit.Telemetry) -> Callable:
         try:
             token = _CURRENT.set((getattr(self, "model", None), _tokenizer_of(self)))
         except Exception as fault:  # never break the pipeline
-            log_fault_once("pipeline tokenizer lookup", fault)
+            log_fault_once(Fault.PIPELINE_TOKENIZER_LOOKUP, fault)
             return original(self, *args, **kwargs)
         try:
             return original(self, *args, **kwargs)

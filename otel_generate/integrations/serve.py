@@ -35,7 +35,7 @@ from typing import Any, Callable
 from opentelemetry import context as otel_context
 
 from otel_generate import _lifecycle, emit
-from otel_generate._faults import log_fault_once
+from otel_generate._faults import Fault, log_fault_once
 
 MODULE = "transformers.cli.serving.utils"
 CLASS = "InferenceThread"
@@ -67,7 +67,7 @@ def make_submit(original: Callable, telemetry: emit.Telemetry) -> Callable:
             try:
                 args = (in_context(args[0], otel_context.get_current()),) + args[1:]
             except Exception as fault:
-                log_fault_once("serve context capture", fault)
+                log_fault_once(Fault.SERVE_CONTEXT_CAPTURE, fault)
         return original(self, *args, **kwargs)
 
     return submit
@@ -83,7 +83,7 @@ def make_build_server(original: Callable, telemetry: emit.Telemetry) -> Callable
             try:
                 flush_when_lifespan_ends(app)
             except Exception as fault:
-                log_fault_once("serve shutdown flush install", fault)
+                log_fault_once(Fault.SERVE_SHUTDOWN_FLUSH_INSTALL, fault)
         return app
 
     return build_server

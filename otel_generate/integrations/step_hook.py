@@ -17,6 +17,8 @@ from typing import Callable, List, Optional
 
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
+from otel_generate._faults import Fault
+
 
 class StepRecorder:
     """Records ``(monotonic_ns, sequence_length[, is_done])`` at every decode-step boundary.
@@ -90,14 +92,14 @@ class StepRecorder:
         try:
             self._on_step(previous_length - self._prompt_length + self._token_offset, (times[-1] - previous_time) / 1e9)
         except Exception as exc:  # a user callback: logged once, generation and recording go on
-            self._on_fault("per_token_latency_callback", exc)
+            self._on_fault(Fault.PER_TOKEN_LATENCY_CALLBACK, exc)
 
     def _fail(self, exc: BaseException) -> None:
         # keep the lists paired: drop a half-written step
         steps = min(len(self.times_ns), len(self.lengths))
         del self.times_ns[steps:], self.lengths[steps:], self.done[steps:]
         self.fault = exc
-        self._on_fault("step hook", exc)
+        self._on_fault(Fault.STEP_HOOK, exc)
 
 
 class RecordingCriteriaList(StoppingCriteriaList):

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from otel_generate import attributes as A
 from otel_generate import emit
-from otel_generate._faults import log_fault_once
+from otel_generate._faults import Fault, log_fault_once
 from otel_generate.integrations._routing import active_call
 from otel_generate.integrations.loop_state import Loop
 
@@ -46,7 +46,7 @@ def make_generate_with_fallback(original: Callable, telemetry: emit.Telemetry) -
                     temperatures=list(bound.get("temperatures") or ()),
                 )
             except Exception as fault:
-                log_fault_once("whisper window capture", fault)
+                log_fault_once(Fault.WHISPER_WINDOW_CAPTURE, fault)
         return original(self, *args, **kwargs)
 
     return generate_with_fallback
@@ -67,7 +67,7 @@ def make_need_fallback(original: Callable, telemetry: emit.Telemetry) -> Callabl
                 needs, skip = result
                 window.decisions[-1][row] = (bool(needs), bool(skip))
             except Exception as fault:
-                log_fault_once("whisper fallback capture", fault)
+                log_fault_once(Fault.WHISPER_FALLBACK_CAPTURE, fault)
         return result
 
     return _need_fallback
