@@ -11,6 +11,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+import otel_generate.emit
+import otel_generate.instrumentor
+import otel_generate.options
 from otel_generate import GenerateInstrumentor
 
 
@@ -78,3 +81,33 @@ def count_recorders(monkeypatch):
     monkeypatch.setattr(_recorder.StepRecorder, "__init__", counting_init)
     monkeypatch.setattr(_recorder.StepRecorder, "__call__", counting_call)
     return calls
+
+
+@pytest.fixture
+def no_package_env(monkeypatch):
+    monkeypatch.setattr(otel_generate.options, "_warned_env", set())  # each test sees its own first warning
+    for name in (
+        "OTEL_GENERATE_SYNCHRONIZE",
+        "OTEL_GENERATE_MAX_STEP_SPANS",
+        "OTEL_BSP_MAX_QUEUE_SIZE",
+        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
+        "OTEL_ATTRIBUTE_COUNT_LIMIT",
+        "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT",
+        "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+        "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+    ):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def captured_telemetry(monkeypatch):
+    """The options instrument() actually used (the Telemetry object it built)."""
+    built = []
+
+    class Recording(otel_generate.emit.Telemetry):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(otel_generate.instrumentor, "Telemetry", Recording)
+    return built

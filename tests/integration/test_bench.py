@@ -19,21 +19,17 @@ import numpy
 import pytest
 import torch
 
-from otel_generate import GenerateInstrumentor, clock
+from otel_generate import GenerateInstrumentor
 from otel_generate import attributes as A
-from otel_generate.bench import common, exporters, monitor, stats, workload
+from otel_generate.bench import common, exporters, monitor, workload
 from otel_generate.bench import runner as bench_runner
-from otel_generate.bench.cli import main
 from otel_generate.bench.config import BenchConfig, BenchUsageError
 from otel_generate.bench.models import PAD_TOKEN_ID, build_model
 from otel_generate.tokens import count_new_tokens
+from tests.helpers.bench import _quartiles, check_schema, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--runs", "2", "--warmup", "1", "--new-tokens", "3"]
-
-
-def run_cli(*argv):
-    return main(["bench", *argv])
 
 
 def no_eos_continuation(batch_size, new_tokens, prompt_tokens=4, seed=0):
@@ -51,57 +47,6 @@ def first_index(row, token):
 
 
 # --- the JSON contract ------------------------------------------------------------------------------
-
-NUMBER = (int, float)
-
-
-def check_schema(doc):
-    """The issue's key list, with types; returns the problems found (empty when valid)."""
-    problems = []
-    types = {
-        "versions": dict,
-        "device": str,
-        "dtype": str,
-        "parameters": int,
-        "prompt_tokens": int,
-        "new_tokens_requested": int,
-        "batch_size": int,
-        "warmup": int,
-        "runs": int,
-        "threads": int,
-        "samples": list,
-        "median_elapsed_s": NUMBER,
-        "median_tokens_per_s": NUMBER,
-        # None only when no run had a second token (TPOT) or a completed step (TTFT)
-        "median_time_to_first_token_ms": NUMBER + (type(None),),
-        "median_time_per_output_token_ms": NUMBER + (type(None),),
-    }
-    assert set(types) == set(bench_runner.RESULT_KEYS)
-    for key, kind in types.items():
-        if key not in doc:
-            problems.append(f"missing {key}")
-        elif isinstance(doc[key], bool) or not isinstance(doc[key], kind):
-            problems.append(f"{key} is {type(doc[key]).__name__}")
-    # every median has its interquartile range: [25th, 75th percentile] (None only with the median)
-    assert {"iqr_" + k[len("median_") :] for k in types if k.startswith("median_")} == set(bench_runner.IQR_KEYS)
-    for key in bench_runner.IQR_KEYS:
-        value, median = doc.get(key, "missing"), doc.get("median_" + key[len("iqr_") :])
-        if value is None and median is None:
-            continue
-        if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, NUMBER) for v in value)):
-            problems.append(f"{key} is not [q1, q3]")
-    versions = doc.get("versions") if isinstance(doc.get("versions"), dict) else {}
-    for key in bench_runner.VERSION_KEYS:
-        if not isinstance(versions.get(key), str):
-            problems.append(f"versions.{key} missing")
-    samples = doc.get("samples") if isinstance(doc.get("samples"), list) else []
-    for i, sample in enumerate(samples):
-        for key, kind in (("elapsed_s", float), ("new_tokens", int), ("tokens_per_s", float)):
-            if not isinstance(sample.get(key), kind) or isinstance(sample.get(key), bool):
-                problems.append(f"samples[{i}].{key} is {type(sample.get(key)).__name__}")
-    if len(samples) != doc.get("runs"):
-        problems.append("one sample per measured run expected")
-    return problems
 
 
 def test_json_has_every_key_of_the_issue_with_its_type(tmp_path, capsys):
@@ -170,45 +115,7 @@ def test_every_median_has_its_interquartile_range_in_the_json_and_the_summary(tm
             assert "IQR" in line, line
 
 
-def test_interquartile_range_of_known_values():
-    assert stats.iqr_of([4.0, 1.0, 3.0, 2.0]) == [1.75, 3.25]  # numpy.percentile([1, 2, 3, 4], [25, 75])
-    assert stats.iqr_of([7.0]) == [7.0, 7.0]
-    assert stats.iqr_of([None, 2.0, None, 4.0]) == [2.5, 3.5]  # missing values are skipped, as for the median
-    assert stats.iqr_of([None]) is None and stats.median_of([None]) is None
-
-
-def test_schema_check_rejects_a_document_missing_a_key():
-    doc = {key: 0 for key in bench_runner.RESULT_KEYS}
-    assert check_schema(doc)  # wrong types and missing versions are reported
-    assert any(
-        "missing median_tokens_per_s" in p
-        for p in check_schema({k: v for k, v in doc.items() if k != "median_tokens_per_s"})
-    )
-
-
 # --- the timer ---------------------------------------------------------------------------------------
-
-
-def test_timed_call_synchronizes_before_the_first_clock_read_and_after_the_call():
-    log = []
-    ticks = iter([10.0, 12.5])
-
-    def fake_clock():
-        log.append("clock")
-        return next(ticks)
-
-    def fn():
-        log.append("call")
-        return "result"
-
-    result, elapsed = clock.timed_call(fn, lambda: log.append("sync"), clock=fake_clock)
-    assert log == ["sync", "clock", "call", "sync", "clock"]
-    assert (result, elapsed) == ("result", 2.5)
-
-
-def test_timed_call_refuses_a_clock_that_did_not_advance():
-    with pytest.raises(ValueError, match="positive"):
-        clock.timed_call(lambda: None, None, clock=lambda: 5.0)
 
 
 def test_each_measured_run_is_one_synchronized_generate_between_two_clock_reads(monkeypatch):
@@ -240,58 +147,6 @@ def test_each_measured_run_is_one_synchronized_generate_between_two_clock_reads(
 
 
 @pytest.mark.parametrize(
-    "changes, message",
-    [
-        (dict(runs=0), "--runs must be at least 1"),
-        (dict(warmup=-1), "--warmup must be 0 or more"),
-        (dict(new_tokens=0), "--new-tokens must be at least 1"),
-        (dict(prompt_tokens=0), "--prompt-tokens must be at least 1"),
-        (dict(batch_size=0), "--batch-size must be at least 1"),
-        (dict(threads=0), "--threads must be at least 1"),
-        (dict(model="/nonexistent/checkpoint"), "does not exist"),
-        (dict(eos="x"), "--eos takes a non-negative token id"),
-    ],
-)
-def test_invalid_counts_raise(changes, message):
-    with pytest.raises(BenchUsageError, match=message):
-        BenchConfig(**changes).validate()
-
-
-@pytest.mark.parametrize(
-    "prompt, new, positions, message",
-    [
-        (3000, 8, 2048, "longer than the model's 2048 positions"),
-        (2000, 100, 2048, "need 2099 positions; the model has 2048"),
-        (4, 0, 2048, "--new-tokens must be at least 1"),
-        (0, 8, 2048, "--prompt-tokens must be at least 1"),
-    ],
-)
-def test_invalid_lengths_raise(prompt, new, positions, message):
-    with pytest.raises(BenchUsageError, match=message):
-        workload.check_lengths(prompt, new, positions)
-
-
-def test_lengths_that_fit_exactly_are_accepted():
-    workload.check_lengths(2048, 1, 2048)
-    workload.check_lengths(4, 2045, 2048)  # positions 0..2047 are fed
-    workload.check_lengths(10_000, 10, None)  # no position limit known (relative positions)
-
-
-@pytest.mark.parametrize(
-    "elapsed, counts, message",
-    [(0.0, [3], "positive"), (-1.0, [3], "positive"), (1.0, [], "at least one sequence"), (1.0, [2, -1], "negative")],
-)
-def test_invalid_samples_raise(elapsed, counts, message):
-    with pytest.raises(ValueError, match=message):
-        stats.make_sample(elapsed, counts)
-
-
-def test_no_samples_cannot_be_summarized():
-    with pytest.raises(ValueError, match="at least one measured run"):
-        stats.summarize([])
-
-
-@pytest.mark.parametrize(
     "argv, message",
     [
         (["--runs", "0"], "--runs must be at least 1"),
@@ -313,76 +168,10 @@ def test_cli_invalid_input_exits_2_with_a_message_and_writes_nothing(tmp_path, c
     assert list(tmp_path.iterdir()) == []  # no temporary file left behind either
 
 
-def test_cuda_requested_without_cuda_exits_2(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    out = tmp_path / "out.json"
-    assert run_cli("--device", "cuda", "--output", str(out)) == 2
-    assert "CUDA was requested but is not available" in capsys.readouterr().err
-    assert not out.exists()
-
-
 def test_auto_device_falls_back_to_cpu_without_cuda(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert run_cli("--device", "auto", *FAST, "--runs", "1", "--output", "-") == 0
     assert json.loads(capsys.readouterr().out)["device"] == "cpu"
-
-
-def test_plot_without_matplotlib_exits_2(monkeypatch, tmp_path, capsys):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    plot = tmp_path / "plot.png"
-    assert run_cli("--plot", str(plot)) == 2
-    assert "--plot needs matplotlib" in capsys.readouterr().err
-    assert not plot.exists()
-
-
-def test_bench_with_an_unknown_option_prints_the_bench_usage(capsys):
-    assert main(["bench", "--bogus"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("usage: otel-generate bench ")
-    assert "--new-tokens N" in err  # bench's own options, not the top-level COMMAND list
-    assert "otel-generate bench: error: unrecognized arguments: --bogus" in err
-    assert main(["bench", "--runs", "1", "--bogus", "x"]) == 2
-    assert "otel-generate bench: error: unrecognized arguments: --bogus x" in capsys.readouterr().err
-    # the top level still answers for itself
-    assert main(["nonsense"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("usage: otel-generate ") and "invalid choice" in err
-
-
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["--exporter", "otlp-encode"], "--exporter applies to the instrumented runs of --compare; add --compare"),
-        (["--max-step-spans", "3"], "--max-step-spans applies to the instrumented runs of --compare; add --compare"),
-        (["--compare", "--max-step-spans", "-1"], "--max-step-spans must be 0 or more"),
-        (["--compare", "--exporter", "zipkin"], "invalid choice"),
-    ],
-)
-def test_compare_options_without_compare_or_out_of_range_exit_2(tmp_path, capsys, argv, message):
-    out = tmp_path / "out.json"
-    assert run_cli(*argv, "--output", str(out)) == 2
-    err = capsys.readouterr().err
-    assert message in err and "otel-generate bench: error:" in err
-    assert list(tmp_path.iterdir()) == []
-
-
-@pytest.mark.parametrize(
-    "module, argv, message",
-    [
-        ("opentelemetry.sdk", ["--compare"], "--compare needs the OpenTelemetry SDK"),
-        (
-            "opentelemetry.exporter.otlp.proto.common",
-            ["--compare", "--exporter", "otlp-encode"],
-            "--exporter otlp-encode needs opentelemetry-exporter-otlp-proto-common",
-        ),
-    ],
-)
-def test_compare_without_its_packages_exits_2(monkeypatch, tmp_path, capsys, module, argv, message):
-    monkeypatch.setitem(sys.modules, module, None)  # import -> ImportError
-    out = tmp_path / "out.json"
-    assert run_cli(*argv, "--output", str(out)) == 2
-    assert message in capsys.readouterr().err
-    assert list(tmp_path.iterdir()) == []
 
 
 # --- the load average ---------------------------------------------------------------------------------
@@ -544,11 +333,6 @@ def test_prompt_avoids_special_tokens_and_is_seeded():
 # --- plot ----------------------------------------------------------------------------------------------
 
 
-def _quartiles(values):
-    """[25th, 75th percentile] by numpy (linear interpolation), independent of the bench's own percentile."""
-    return [float(v) for v in numpy.percentile(numpy.asarray(values, dtype=float), [25, 75])]
-
-
 def test_plot_draws_the_median_and_interquartile_band_per_token_index_with_prefill_marked(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from matplotlib.axes import Axes
@@ -592,24 +376,6 @@ def test_plot_draws_the_median_and_interquartile_band_per_token_index_with_prefi
     assert "prefill" in kwargs["label"]
 
 
-def test_per_token_index_groups_runs_of_different_lengths():
-    samples = [
-        {"step_latencies_ms": [10.0, 1.0, 2.0], "step_tokens": [1, 1, 1]},
-        {"step_latencies_ms": [12.0, 3.0], "step_tokens": [1, 1]},  # stopped early
-        {"step_latencies_ms": [11.0, 5.0, 4.0], "step_tokens": [1, 1, 1]},
-        {"step_latencies_ms": [], "step_tokens": []},  # a run the instrumentation did not see
-    ]
-    rows = stats.per_token_index(samples)
-    assert [r["token_index"] for r in rows] == [0, 1, 2]
-    assert [r["runs"] for r in rows] == [3, 3, 2]
-    for row, values in zip(rows, ([10.0, 12.0, 11.0], [1.0, 3.0, 5.0], [2.0, 4.0])):
-        assert row["median_ms"] == pytest.approx(float(numpy.median(values)))
-        assert [row["q1_ms"], row["q3_ms"]] == pytest.approx(_quartiles(values))
-    # a step that appended two tokens (assisted decoding) moves the next step's index by two
-    rows = stats.per_token_index([{"step_latencies_ms": [5.0, 1.0, 1.0], "step_tokens": [1, 2, 1]}])
-    assert [r["token_index"] for r in rows] == [0, 1, 3]
-
-
 @pytest.mark.parametrize("extension, magic", [("svg", b"<svg"), ("pdf", b"%PDF-"), ("PNG", b"\x89PNG")])
 def test_plot_is_written_in_the_format_its_extension_names(tmp_path, extension, magic):
     pytest.importorskip("matplotlib")
@@ -620,64 +386,7 @@ def test_plot_is_written_in_the_format_its_extension_names(tmp_path, extension, 
     assert list(tmp_path.iterdir()) == [plot]  # no temporary file left behind
 
 
-@pytest.mark.parametrize("name", ["latency.jpg", "latency.jpeg", "latency", "latency.png.txt"])
-def test_unsupported_plot_extension_exits_2_and_writes_nothing(tmp_path, capsys, monkeypatch, name):
-    ran = []
-    monkeypatch.setattr(bench_runner, "measure", lambda *a, **k: ran.append(1))
-    plot, out = tmp_path / name, tmp_path / "out.json"
-    assert run_cli("--plot", str(plot), "--output", str(out)) == 2
-    err = capsys.readouterr().err
-    assert "otel-generate bench: error:" in err and "unsupported file extension" in err
-    assert ".png, .svg, .pdf" in err
-    assert ran == [] and list(tmp_path.iterdir()) == []  # refused before running, nothing written
-
-
 # --- --compare ----------------------------------------------------------------------------------------
-
-
-def test_the_shared_ab_loop_alternates_plain_and_instrumented_and_counts_after_the_warmup():
-    """common.interleave, with no model: a stand-in side whose calls take known times and export 3 spans."""
-
-    class Exporter:
-        spans, bytes = 0, 0
-
-    class Side:
-        exporter, metric_reader, flushes_complete = Exporter(), object(), False
-        log = []
-
-        def plain(self, timed):
-            self.log.append("A")
-            return timed()
-
-        def run(self, timed):
-            self.log.append("B")
-            self.exporter.spans += 3
-            self.exporter.bytes += 100
-            return timed(), 0.5, 0.25  # (output, seconds), trace flush, metric flush
-
-    side = Side()
-    times = iter([1.0, 2.0, 4.0, 6.0, 2.0, 3.0])  # warmup pair, then two measured pairs
-    recorded = []
-    pairs = common.interleave(
-        side,
-        lambda: ("out", next(times)),
-        BenchConfig(warmup=1, runs=2),
-        lambda a, elapsed, b: recorded.append((a, elapsed, b)),
-    )
-    assert side.log == ["A", "B"] * 3 and side.flushes_complete is True
-    assert pairs.plain_s == [4.0, 2.0] and pairs.instrumented_s == [6.0, 3.0]
-    assert pairs.deferred_s == [0.75, 0.75] and recorded == [("out", 4.0, "out"), ("out", 2.0, "out")]
-    assert pairs.spans_exported_after == [3, 6] and pairs.spans_exported == 6  # the warmup's 3 left out
-    assert pairs.exported_bytes == 200 and pairs.exported_bytes_total == 300
-    assert pairs.ratios() == ([6.0 / 4.0, 3.0 / 2.0], [6.75 / 4.0, 3.75 / 2.0])
-    assert pairs.added_us_per_step([4, 2]) == ([0.5e6, 0.5e6], [2.75 / 4 * 1e6, 1.75 / 2 * 1e6])
-    assert list(pairs.timings()) == [
-        "plain_elapsed_s",
-        "instrumented_elapsed_s",
-        "deferred_trace_flush_s",
-        "deferred_metric_flush_s",
-        "instrumented_deferred_s",
-    ]
 
 
 def test_compare_interleaves_plain_and_instrumented_and_reports_paired_numbers(monkeypatch):
@@ -927,13 +636,6 @@ def test_sampler_always_off_times_unsampled_requests(capsys):
     assert cmp["outputs_identical"] is True
     assert run_cli("--sampler", "always_off") == 2  # without --compare
     assert "--sampler applies to the instrumented runs of --compare" in capsys.readouterr().err
-
-
-def test_compare_refuses_when_generate_is_already_instrumented(instrumented, tmp_path, capsys):
-    out = tmp_path / "out.json"
-    assert run_cli("--compare", "--output", str(out)) == 2
-    assert "--compare needs generate() uninstrumented" in capsys.readouterr().err
-    assert not out.exists()
 
 
 # --- the command line ----------------------------------------------------------------------------------

@@ -12,12 +12,8 @@ import pytest
 
 from otel_generate import GenerateInstrumentor
 from otel_generate.bench import continuous
-from otel_generate.bench.cli import main
 from otel_generate.bench.config import BenchConfig
-
-
-def run_cli(*argv):
-    return main(["bench", *argv])
+from tests.helpers.bench import run_cli
 
 
 def _continuous_batching_available():
@@ -126,23 +122,6 @@ def test_step_span_policy_none_is_passed_through(tmp_path):
     )
     cmp = json.loads(out.read_text())["compare"]
     assert cmp["step_spans"] == "none" and cmp["spans_exported"] == cmp["spans_expected"] == 2
-
-
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["--requests", "4"], "--requests applies to --continuous-batching"),
-        (["--continuous-batching", "--requests", "0"], "--requests must be at least 1"),
-        (["--continuous-batching", "--batch-size", "2"], "--batch-size does not apply to --continuous-batching"),
-        (["--continuous-batching", "--plot", "x.png"], "--plot does not apply to --continuous-batching"),
-    ],
-)
-def test_invalid_continuous_batching_options_exit_2(tmp_path, capsys, argv, message):
-    out = tmp_path / "out.json"
-    assert run_cli(*argv, "--output", str(out)) == 2
-    err = capsys.readouterr().err
-    assert message in err and "otel-generate bench: error:" in err
-    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.skipif(_continuous_batching_available(), reason="this transformers has continuous batching")

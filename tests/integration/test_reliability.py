@@ -21,7 +21,6 @@ The hypothesis property test of the token accounting is
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import logging
@@ -70,8 +69,7 @@ from tests.helpers import (
     step_spans,
     uninstrumented_generate,
 )
-
-LOGGER = "otel_generate"
+from tests.helpers.instrumenting import LOGGER, instrumentation, warnings_from_package
 
 #: The attributes every successful request span carries (greedy, one sequence per prompt).
 REQUEST_CONTRACT = {
@@ -123,17 +121,6 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-@contextlib.contextmanager
-def instrumentation(**options):
-    """``instrument(**options)`` for the block, ``uninstrument()`` after it (also on failure)."""
-    instrumentor = GenerateInstrumentor()
-    instrumentor.instrument(**options)
-    try:
-        yield instrumentor
-    finally:
-        instrumentor.uninstrument()
-
-
 def provider_with(processor_factory=SimpleSpanProcessor, exporter=None, **provider_kwargs):
     exporter = exporter if exporter is not None else InMemorySpanExporter()
     provider = TracerProvider(**provider_kwargs)
@@ -141,30 +128,10 @@ def provider_with(processor_factory=SimpleSpanProcessor, exporter=None, **provid
     return provider, exporter
 
 
-def warnings_from_package(caplog):
-    return [r for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING]
-
-
 @pytest.fixture
 def fresh_fault_log(monkeypatch):
     """Faults are logged once per kind per process: start each test from an empty record."""
     monkeypatch.setattr(_faults, "_logged_kinds", set())
-
-
-@pytest.fixture
-def no_package_env(monkeypatch):
-    monkeypatch.setattr(otel_generate.options, "_warned_env", set())  # each test sees its own first warning
-    for name in (
-        "OTEL_GENERATE_SYNCHRONIZE",
-        "OTEL_GENERATE_MAX_STEP_SPANS",
-        "OTEL_BSP_MAX_QUEUE_SIZE",
-        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
-        "OTEL_ATTRIBUTE_COUNT_LIMIT",
-        "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT",
-        "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT",
-        "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT",
-    ):
-        monkeypatch.delenv(name, raising=False)
 
 
 # --- 1. concurrency ------------------------------------------------------------------------------------
@@ -837,20 +804,6 @@ def test_asyncio_to_thread_keeps_the_callers_trace(instrumented, span_exporter, 
 # --- 8. bad configuration ----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def captured_telemetry(monkeypatch):
-    """The options instrument() actually used (the Telemetry object it built)."""
-    built = []
-
-    class Recording(otel_generate.emit.Telemetry):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            built.append(self)
-
-    monkeypatch.setattr(otel_generate.instrumentor, "Telemetry", Recording)
-    return built
-
-
 @pytest.mark.parametrize(
     "variable, value, option, default",
     [
@@ -889,36 +842,6 @@ def test_unparsable_environment_value_warns_once_and_uses_the_default(
     request = only_request(span_exporter)
     assert request.attributes[A.GENERATE_SYNCHRONIZED] is True
     assert len(step_spans(span_exporter, request)) == 3
-
-
-def test_unparsable_environment_value_is_reported_once_per_process(
-    no_package_env, monkeypatch, caplog, tracer_provider
-):
-    monkeypatch.setenv("OTEL_GENERATE_MAX_STEP_SPANS", "lots")
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        for _ in range(3):  # e.g. three profilers, each turning the instrumentation on and off
-            with instrumentation(tracer_provider=tracer_provider):
-                pass
-    assert len(warnings_from_package(caplog)) == 1
-
-
-@pytest.mark.parametrize(
-    "variable, value, option, parsed",
-    [
-        ("OTEL_GENERATE_SYNCHRONIZE", " FALSE ", "synchronize", False),
-        ("OTEL_GENERATE_SYNCHRONIZE", "", "synchronize", True),
-        ("OTEL_GENERATE_MAX_STEP_SPANS", " 7 ", "max_step_spans", 7),
-        ("OTEL_GENERATE_MAX_STEP_SPANS", "", "max_step_spans", 1024),
-    ],
-)
-def test_parsable_environment_values_give_no_warning(
-    variable, value, option, parsed, no_package_env, captured_telemetry, monkeypatch, caplog, tracer_provider
-):
-    monkeypatch.setenv(variable, value)
-    with caplog.at_level(logging.WARNING, logger=LOGGER), instrumentation(tracer_provider=tracer_provider):
-        pass
-    assert warnings_from_package(caplog) == []
-    assert getattr(captured_telemetry[0], option) == parsed
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,40 @@
+"""The package's environment variables without a model: an unparsable value is reported once per process,
+parsable ones (padded, empty) give no warning and reach the options ``instrument()`` uses."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tests.helpers.instrumenting import LOGGER, instrumentation, warnings_from_package
+
+
+def test_unparsable_environment_value_is_reported_once_per_process(
+    no_package_env, monkeypatch, caplog, tracer_provider
+):
+    monkeypatch.setenv("OTEL_GENERATE_MAX_STEP_SPANS", "lots")
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for _ in range(3):  # e.g. three profilers, each turning the instrumentation on and off
+            with instrumentation(tracer_provider=tracer_provider):
+                pass
+    assert len(warnings_from_package(caplog)) == 1
+
+
+@pytest.mark.parametrize(
+    "variable, value, option, parsed",
+    [
+        ("OTEL_GENERATE_SYNCHRONIZE", " FALSE ", "synchronize", False),
+        ("OTEL_GENERATE_SYNCHRONIZE", "", "synchronize", True),
+        ("OTEL_GENERATE_MAX_STEP_SPANS", " 7 ", "max_step_spans", 7),
+        ("OTEL_GENERATE_MAX_STEP_SPANS", "", "max_step_spans", 1024),
+    ],
+)
+def test_parsable_environment_values_give_no_warning(
+    variable, value, option, parsed, no_package_env, captured_telemetry, monkeypatch, caplog, tracer_provider
+):
+    monkeypatch.setenv(variable, value)
+    with caplog.at_level(logging.WARNING, logger=LOGGER), instrumentation(tracer_provider=tracer_provider):
+        pass
+    assert warnings_from_package(caplog) == []
+    assert getattr(captured_telemetry[0], option) == parsed
