@@ -25,6 +25,7 @@ from otel_generate.bench.instructions import CONFIGURATIONS, DEFAULT_CALLS_HIGH,
 from otel_generate.bench.instructions import DEFAULT_NEW_TOKENS as INSTRUCTIONS_NEW_TOKENS
 from otel_generate.bench.monitor import LOAD_PER_CORE_LIMIT
 from otel_generate.bench.plot import MATPLOTLIB_MISSING, PLOT_FORMATS, plot_format
+from otel_generate.options import STEP_SPAN_POLICIES
 
 PROG = "otel-generate"
 
@@ -136,7 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--step-spans",
-        choices=("all", "none", "slow"),
+        choices=STEP_SPAN_POLICIES,
         default=None,
         help="--compare: instrument(step_spans=...), which requests get step spans; default: the "
         "instrumentation's own (OTEL_GENERATE_STEP_SPANS or all)",

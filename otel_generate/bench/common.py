@@ -26,6 +26,7 @@ from otel_generate.bench.environment import machine, versions
 from otel_generate.bench.exporters import make_exporters
 from otel_generate.bench.monitor import LoadMonitor
 from otel_generate.bench.workload import model_description
+from otel_generate.options import ENV_STEP_SPANS, STEP_SPANS_ALL, STEP_SPANS_NONE
 
 
 def check_uninstrumented() -> None:
@@ -97,7 +98,9 @@ class InstrumentedSide:
             if config.max_step_spans is not None
             else env_int(ENV_MAX_STEP_SPANS, DEFAULT_MAX_STEP_SPANS)
         )
-        self.policy = config.step_spans or os.environ.get("OTEL_GENERATE_STEP_SPANS", "all").strip().lower() or "all"
+        self.policy = (
+            config.step_spans or os.environ.get(ENV_STEP_SPANS, STEP_SPANS_ALL).strip().lower() or STEP_SPANS_ALL
+        )
         self.flushes_complete = True
         self.description = (
             "GenerateInstrumentor().instrument(tracer_provider=SDK TracerProvider + BatchSpanProcessor + "
@@ -167,9 +170,9 @@ class InstrumentedSide:
         when the sampler keeps no trace (``always_off``)."""
         if self.sampler == "always_off":
             return 0
-        if self.policy == "all":
+        if self.policy == STEP_SPANS_ALL:
             return sum(1 + min(n, self.max_step_spans) for n in tokens_per_request)
-        if self.policy == "none":
+        if self.policy == STEP_SPANS_NONE:
             return len(tokens_per_request)
         return None
 

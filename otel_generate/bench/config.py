@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from otel_generate.bench.plot import MATPLOTLIB_MISSING, PLOT_FORMATS, plot_format
+from otel_generate.options import STEP_SPAN_POLICIES
 
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -21,7 +22,6 @@ EXPORTERS = ("discard", "otlp-encode")
 MODEL_EOS = "model"
 
 #: ``--step-spans``: the instrumentation's step-span policies (otel_generate.options).
-STEP_SPAN_POLICIES = ("all", "none", "slow")
 #: --sampler: the instrumented side's TracerProvider sampler (always_off: every request unsampled)
 SAMPLERS = ("always_on", "always_off")
 #: Default ``--requests`` of ``--continuous-batching``.

@@ -58,6 +58,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from otel_generate.bench.config import BenchConfig, BenchUsageError, require_module
 from otel_generate.bench.environment import machine
+from otel_generate.options import STEP_SPANS_NONE, STEP_SPANS_SLOW
 
 #: ``name: (description, instrument() keywords, sampled)``; ``plain`` is uninstrumented.
 CONFIGURATIONS: Dict[str, Tuple[str, Optional[Dict[str, Any]], bool]] = {
@@ -68,10 +69,14 @@ CONFIGURATIONS: Dict[str, Tuple[str, Optional[Dict[str, Any]], bool]] = {
         {"max_step_spans": 0},
         True,
     ),
-    "step-spans-none": ("instrumented, step_spans='none' (the policy): no step span", {"step_spans": "none"}, True),
+    "step-spans-none": (
+        "instrumented, step_spans='none' (the policy): no step span",
+        {"step_spans": STEP_SPANS_NONE},
+        True,
+    ),
     "step-spans-slow": (
         "instrumented, step_spans='slow': step spans only for slow requests",
-        {"step_spans": "slow"},
+        {"step_spans": STEP_SPANS_SLOW},
         True,
     ),
     "background-emission": (

@@ -21,6 +21,7 @@ from otel_generate.bench.environment import versions
 from otel_generate.bench.exporters import make_exporters
 from otel_generate.bench.instructions import CONFIGURATIONS
 from otel_generate.bench.workload import Runner, model_description, sequences_of
+from otel_generate.options import STEP_SPANS_NONE, STEP_SPANS_SLOW
 
 
 def main(spec_path: str) -> None:
@@ -90,9 +91,9 @@ def main(spec_path: str) -> None:
         spans = ((exporter.spans - spans_before) / calls_made) if exporter is not None else 0
         if options is None or not sampled:
             expected: Optional[int] = 0
-        elif options.get("max_step_spans") == 0 or options.get("step_spans") == "none":
+        elif options.get("max_step_spans") == 0 or options.get("step_spans") == STEP_SPANS_NONE:
             expected = 1
-        elif options.get("step_spans") == "slow":
+        elif options.get("step_spans") == STEP_SPANS_SLOW:
             expected = None
         else:
             expected = 1 + steps
