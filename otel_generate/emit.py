@@ -42,15 +42,8 @@ if TYPE_CHECKING:
 #: Names that moved to :mod:`otel_generate.telemetry`, still importable from here for the callers
 #: not yet changed (looked up on first use: telemetry.py imports this module).
 _MOVED = frozenset(
-    {
-        "Telemetry",
-        "create_instruments",
-        "get_tracer",
-        "get_event_logger",
-        "content_options",
-        "INSTRUMENTATION_NAME",
-        "BACKGROUND_YIELD_EVERY",
-    }
+    "Telemetry create_instruments get_tracer get_event_logger content_options INSTRUMENTATION_NAME "
+    "BACKGROUND_YIELD_EVERY".split()
 )
 
 

@@ -108,9 +108,12 @@ class Telemetry:
         self.fast_histograms = {A.METRIC_INTER_TOKEN_LATENCY: FastHistogram.for_instrument(itl)} if itl else {}
 
     @classmethod
-    def from_options(cls, options: Options, profilers: Callable[[], Sequence[Any]] = _no_profilers) -> "Telemetry":
+    def from_options(cls, options: Options, profilers: Optional[Callable[[], Sequence[Any]]] = None) -> "Telemetry":
         """The context of resolved ``options``: the tracer, instruments and content options from
-        the providers they name (``None``: the global ones)."""
+        the providers they name (``None``: the global ones); ``profilers`` defaults to the
+        registry of :class:`~otel_generate.TokenLatencyProfiler` (``profiler.active_profilers``)."""
+        if profilers is None:
+            from otel_generate.profiler import active_profilers as profilers
         return cls(
             tracer=get_tracer(options.tracer_provider),
             instruments=create_instruments(options.meter_provider),
