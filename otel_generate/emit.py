@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -30,29 +30,23 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from otel_generate import _lifecycle, clock
 from otel_generate import attributes as A
+from otel_generate import telemetry as _telemetry
 from otel_generate._faults import error_type, log_fault_once
 from otel_generate.derive import Summary, derive
 from otel_generate.fast_spans import fast_eligible
 from otel_generate.record import GenerationRecord
 from otel_generate.request import Request
 
-if TYPE_CHECKING:
-    from otel_generate.telemetry import Telemetry
-
-#: Names that moved to :mod:`otel_generate.telemetry`, still importable from here for the callers
-#: not yet changed (looked up on first use: telemetry.py imports this module).
-_MOVED = frozenset(
-    "Telemetry create_instruments get_tracer get_event_logger content_options INSTRUMENTATION_NAME "
-    "BACKGROUND_YIELD_EVERY".split()
+# Moved to otel_generate.telemetry; still importable from here for the callers not yet changed.
+from otel_generate.telemetry import (  # noqa: E402,F401
+    BACKGROUND_YIELD_EVERY,
+    INSTRUMENTATION_NAME,
+    Telemetry,
+    content_options,
+    create_instruments,
+    get_event_logger,
+    get_tracer,
 )
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from otel_generate import telemetry
-
-        return getattr(telemetry, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def request_span_name(model: str) -> str:
@@ -80,7 +74,7 @@ def start_request_span(telemetry: Telemetry, model: str, context: Any = None, st
 
 
 def finish(
-    telemetry: "Telemetry",
+    telemetry: Telemetry,
     span: Any,
     request: Request,
     profilers: Sequence[Any] = (),
@@ -160,7 +154,7 @@ def finish(
 
 
 def _annotate(
-    telemetry: "Telemetry", span: Any, request: Request, summary: Summary, yield_every: int = 0
+    telemetry: Telemetry, span: Any, request: Request, summary: Summary, yield_every: int = 0
 ) -> GenerationRecord:
     """Set the request attributes and build the step spans (a recording span); return the record
     for the APIs. Reads the figures from ``summary`` only."""
@@ -240,7 +234,7 @@ def _annotate(
     )
 
 
-def _emit_steps(telemetry: "Telemetry", span: Any, request: Request, summary: Summary, yield_every: int = 0) -> None:
+def _emit_steps(telemetry: Telemetry, span: Any, request: Request, summary: Summary, yield_every: int = 0) -> None:
     """The inner-call spans (when the request ran several loops) and the first
     ``summary.step_spans`` step spans, each step a child of its inner-call span, else of the
     request span. The hot loop of emission: everything it reads is bound to a local first."""
@@ -433,3 +427,6 @@ def _record_metrics(
                 record_values(A.METRIC_TOKEN_USAGE, (request.output_tokens,), outputs)
     finally:
         otel_context.detach(token)
+
+
+_telemetry.bind_finish(finish)  # Telemetry.emit runs finish without importing this module

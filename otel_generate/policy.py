@@ -25,13 +25,6 @@ import threading
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from otel_generate.attributes import POLICY_ALL, POLICY_NONE, POLICY_SLOW
-from otel_generate.options import (
-    DEFAULT_MAX_STEP_SPANS,
-    DEFAULT_OUTLIER_FACTOR,
-    DEFAULT_SLOW_FRACTION,
-    DEFAULT_SLOW_TIME_PER_OUTPUT_TOKEN_S,
-    DEFAULT_SLOW_TIME_TO_FIRST_TOKEN_S,
-)
 
 WINDOW = 512
 MAX_MODELS = 64
@@ -128,13 +121,17 @@ class SlowRequests:
 class StepSpanPolicy:
     """Everything that decides a finished request's step spans, set once per ``instrument()``.
 
+    The defaults are :mod:`otel_generate.options`' (this module sits below it and does not import it).
+
     Args:
         name: the policy, ``all``, ``none`` or ``slow`` (``instrument(step_spans=...)``).
         max_step_spans: at most this many step spans per request (``max_step_spans``).
         outlier_factor: a decode step slower than this many times the request's median decode
             step is flagged ``generate.step.outlier`` (``outlier_factor``).
-        slow: the running distributions of the ``slow`` policy; made from the defaults when the
-            policy is ``slow`` and none is given, ``None`` otherwise.
+        slow: the running distributions of the ``slow`` policy (required with it), else ignored.
+
+    Raises:
+        ValueError: policy ``slow`` without ``slow``.
     """
 
     __slots__ = ("name", "max_step_spans", "outlier_factor", "slow")
@@ -142,17 +139,15 @@ class StepSpanPolicy:
     def __init__(
         self,
         name: str = POLICY_ALL,
-        max_step_spans: int = DEFAULT_MAX_STEP_SPANS,
-        outlier_factor: float = DEFAULT_OUTLIER_FACTOR,
+        max_step_spans: int = 1024,
+        outlier_factor: float = 3.0,
         slow: Optional[SlowRequests] = None,
     ) -> None:
         self.name = name
         self.max_step_spans = max_step_spans
         self.outlier_factor = outlier_factor
         if name == POLICY_SLOW and slow is None:
-            slow = SlowRequests(
-                DEFAULT_SLOW_TIME_TO_FIRST_TOKEN_S, DEFAULT_SLOW_TIME_PER_OUTPUT_TOKEN_S, DEFAULT_SLOW_FRACTION
-            )
+            raise ValueError("the 'slow' step-span policy needs its SlowRequests")
         self.slow = slow if name == POLICY_SLOW else None
 
     @classmethod

@@ -22,7 +22,6 @@ from opentelemetry import metrics, trace
 
 from otel_generate import attributes as A
 from otel_generate import content as _content
-from otel_generate import emit as _emit
 from otel_generate._faults import log_fault_once
 from otel_generate.options import Options
 from otel_generate.policy import StepSpanPolicy
@@ -36,6 +35,17 @@ BACKGROUND_YIELD_EVERY = 16
 
 def _no_profilers() -> Sequence[Any]:
     return ()
+
+
+#: :func:`otel_generate.emit.finish`, bound by that module when it is imported (it imports this one:
+#: this module imports nothing from the emitter, so the two form no import cycle).
+_finish: Optional[Callable[..., Any]] = None
+
+
+def bind_finish(finish: Callable[..., Any]) -> None:
+    """Called once by :mod:`otel_generate.emit`: the function :meth:`Telemetry.emit` runs."""
+    global _finish
+    _finish = finish
 
 
 class Telemetry:
@@ -108,12 +118,11 @@ class Telemetry:
         self.fast_histograms = {A.METRIC_INTER_TOKEN_LATENCY: FastHistogram.for_instrument(itl)} if itl else {}
 
     @classmethod
-    def from_options(cls, options: Options, profilers: Optional[Callable[[], Sequence[Any]]] = None) -> "Telemetry":
+    def from_options(cls, options: Options, profilers: Callable[[], Sequence[Any]] = _no_profilers) -> "Telemetry":
         """The context of resolved ``options``: the tracer, instruments and content options from
-        the providers they name (``None``: the global ones); ``profilers`` defaults to the
-        registry of :class:`~otel_generate.TokenLatencyProfiler` (``profiler.active_profilers``)."""
-        if profilers is None:
-            from otel_generate.profiler import active_profilers as profilers
+        the providers they name (``None``: the global ones); ``profilers`` is the registry of open
+        :class:`~otel_generate.TokenLatencyProfiler` objects (the instrumentor passes
+        ``profiler.active_profilers``; this module sits below the profiler and does not import it)."""
         return cls(
             tracer=get_tracer(options.tracer_provider),
             instruments=create_instruments(options.meter_provider),
@@ -161,16 +170,18 @@ class Telemetry:
             ``(record, deferred)``: the record when built now (else ``None``), and whether the
             request was handed to the emitter (a full emitter drops it, counted and logged once).
         """
-        emitter = self.emitter
+        emitter, finish = self.emitter, _finish
+        if finish is None:  # pragma: no cover - every producer imports otel_generate.emit
+            raise RuntimeError("otel_generate.emit is not imported: nothing to emit with")
         if emitter is not None and self.options.background_emission and not profilers:
 
             def job() -> None:
-                _emit.finish(self, span, request, (), yield_every=BACKGROUND_YIELD_EVERY)
+                finish(self, span, request, (), yield_every=BACKGROUND_YIELD_EVERY)
                 request.error = None  # the traceback holds the caller's frames
 
             emitter.submit(job)
             return None, True
-        return _emit.finish(self, span, request, profilers), False
+        return finish(self, span, request, profilers), False
 
 
 #: every :class:`Telemetry` alive (``instrument()`` makes one each time): reset in a forked child

@@ -199,7 +199,7 @@ def test_request_and_derive_import_only_leaf_modules():
     allowed = {
         "request.py": set(),
         "derive.py": leaves | {"otel_generate.policy", "otel_generate.request"},
-        "policy.py": leaves,
+        "policy.py": {"otel_generate.attributes"},  # the lowest layer: not even the options
     }
     for name, permitted in allowed.items():
         found = set()
@@ -212,3 +212,16 @@ def test_request_and_derive_import_only_leaf_modules():
             elif isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names if alias.name.startswith("otel_generate"))
         assert found <= permitted, (name, found - permitted)
+
+
+def test_the_policys_defaults_are_the_options_defaults():
+    from otel_generate import options
+
+    policy = StepSpanPolicy()
+    assert (policy.name, policy.max_step_spans, policy.outlier_factor) == (
+        options.STEP_SPANS_ALL,
+        options.DEFAULT_MAX_STEP_SPANS,
+        options.DEFAULT_OUTLIER_FACTOR,
+    )
+    with pytest.raises(ValueError):
+        StepSpanPolicy(A.POLICY_SLOW)
