@@ -22,7 +22,9 @@ from __future__ import annotations
 import bisect
 import collections
 import threading
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+from otel_generate.attributes import POLICY_ALL, POLICY_NONE, POLICY_SLOW
 
 WINDOW = 512
 MAX_MODELS = 64
@@ -114,3 +116,58 @@ class SlowRequests:
         """Model -> values held (for tests and debugging)."""
         with self._lock:
             return {model: len(windows[0].order) + len(windows[1].order) for model, windows in self._models.items()}
+
+
+class StepSpanPolicy:
+    """Everything that decides a finished request's step spans, set once per ``instrument()``.
+
+    The defaults are :mod:`otel_generate.options`' (this module sits below it and does not import it).
+
+    Args:
+        name: the policy, ``all``, ``none`` or ``slow`` (``instrument(step_spans=...)``).
+        max_step_spans: at most this many step spans per request (``max_step_spans``).
+        outlier_factor: a decode step slower than this many times the request's median decode
+            step is flagged ``generate.step.outlier`` (``outlier_factor``).
+        slow: the running distributions of the ``slow`` policy (required with it), else ignored.
+
+    Raises:
+        ValueError: policy ``slow`` without ``slow``.
+    """
+
+    __slots__ = ("name", "max_step_spans", "outlier_factor", "slow")
+
+    def __init__(
+        self,
+        name: str = POLICY_ALL,
+        max_step_spans: int = 1024,
+        outlier_factor: float = 3.0,
+        slow: Optional[SlowRequests] = None,
+    ) -> None:
+        self.name = name
+        self.max_step_spans = max_step_spans
+        self.outlier_factor = outlier_factor
+        if name == POLICY_SLOW and slow is None:
+            raise ValueError("the 'slow' step-span policy needs its SlowRequests")
+        self.slow = slow if name == POLICY_SLOW else None
+
+    @classmethod
+    def from_options(cls, options: Any) -> "StepSpanPolicy":
+        """The policy of a resolved :class:`~otel_generate.options.Options`."""
+        slow = None
+        if options.step_spans == POLICY_SLOW:
+            slow = SlowRequests(
+                options.slow_time_to_first_token, options.slow_time_per_output_token, options.slow_fraction
+            )
+        return cls(options.step_spans, options.max_step_spans, options.outlier_factor, slow)
+
+    def decide(
+        self, model: str, failed: bool, ttft_s: Optional[float], tpot_s: Optional[float]
+    ) -> Tuple[bool, Optional[str]]:
+        """``(emit, reason)``: whether this request's steps become spans, and why (policy ``slow``
+        only, else ``None``). Under ``slow``, adds the request to its model's running distribution."""
+        if self.name == POLICY_ALL:
+            return True, None
+        if self.name == POLICY_NONE or self.slow is None:
+            return False, None
+        reason = self.slow.reason(model, failed, ttft_s, tpot_s)
+        return reason is not None, reason

@@ -3,8 +3,14 @@
 A producer (the ``generate()`` loop wrappers, the continuous-batching hooks) fills a
 :class:`Request` with numbers: monotonic timestamps, token counts, the request's parameters,
 its outcome. It holds no OpenTelemetry object and no tensor, so it can be built and checked
-without an SDK and handed to another thread. :mod:`otel_generate.emit` turns a finished record
-into spans, metrics and the records of the Python APIs.
+without an SDK and handed to another thread, with one exception: :attr:`Request.error` is the
+exception that ended the request, and its traceback keeps the raising frames (and whatever they
+reference, tensors included) alive until the producer clears it once the request is emitted (the
+request span records that exception with its stack trace; the ``generate()`` producer clears it,
+continuous batching's error is built from a message and was never raised). :mod:`otel_generate.derive` computes
+the figures derived from a finished record (latencies in seconds, time to first token, ...);
+:mod:`otel_generate.emit` turns the record and those figures into spans, metrics and the records
+of the Python APIs. This module imports nothing else from the package.
 
 Units: every ``*_ns`` field is an integer number of nanoseconds of the monotonic clock
 :data:`otel_generate.clock.monotonic_ns`, except ``start_wall_ns`` (nanoseconds since the epoch,
@@ -13,11 +19,8 @@ read at ``start_ns``), which places the monotonic times on the wall-clock time l
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional
-
-from otel_generate import clock
+from typing import Any, Dict, List, Optional
 
 
 @dataclass(eq=False)
@@ -63,7 +66,8 @@ class Request:
         input_tokens, output_tokens: totals over all rows (``None``: unknown).
         output_tokens_per_sequence: one count per returned sequence.
         finish_reasons: one ``stop``/``length`` per returned sequence, or ``None``.
-        error: the exception that ended the request, or ``None``.
+        error: the exception that ended the request, or ``None``; its traceback holds the
+            raising frames until the producer clears it after emission (the module docstring).
         incomplete: a fault inside the instrumentation cut the step data short.
         calls: the inner ``generate()`` calls, when the request has any.
         first_chunk_ns: when a streamer was first handed generated tokens (streaming requests).
@@ -132,96 +136,11 @@ class Request:
     step_logprobs: Optional[List[List[float]]] = None
     metrics: bool = True
 
-    # --- derived figures (nanoseconds) ---------------------------------------------------------
+    # --- placing times (the derived figures are otel_generate.derive's) ------------------------
     def wall_ns(self, monotonic_ns: int) -> int:
         """A monotonic timestamp of this request on the wall-clock time line (ns since the epoch)."""
         return self.start_wall_ns + (monotonic_ns - self.start_ns)
 
-    def step_bounds_ns(self) -> List[tuple]:
-        """``(start_ns, end_ns)`` of every step, monotonic nanoseconds."""
-        ends = self.step_ends_ns
-        if self.step_starts_ns is not None:
-            return list(zip(self.step_starts_ns, ends))
-        return list(zip([self.start_ns] + ends[:-1], ends))
-
-    def step_latencies_ns(self) -> List[int]:
-        """The duration of every step, nanoseconds."""
-        ends = self.step_ends_ns
-        starts = self.step_starts_ns if self.step_starts_ns is not None else [self.start_ns] + ends[:-1]
-        return list(map(operator.sub, ends, starts))
-
-    def time_to_first_token_ns(self) -> Optional[int]:
-        """From the start of the request to the end of the first step that produced a token."""
-        for end, tokens in zip(self.step_ends_ns, self.step_tokens):
-            if tokens > 0:
-                return end - self.start_ns
-        return None
-
-    def time_per_output_token_ns(self) -> Optional[float]:
-        """Time after the first token divided by the tokens produced after it (per sequence).
-
-        The GenAI conventions' time per output token: the first token excluded. ``None`` when no
-        token followed the first one.
-        """
-        first = None
-        later_tokens = 0
-        for index, tokens in enumerate(self.step_tokens):
-            if first is None:
-                if tokens > 0:
-                    first = index
-            else:
-                later_tokens += tokens
-        if first is None or later_tokens <= 0:
-            return None
-        return (self.step_ends_ns[-1] - self.step_ends_ns[first]) / later_tokens
-
-    def inter_token_latencies_ns(self) -> Iterator[float]:
-        """The gaps between output tokens, nanoseconds: for every decode step after the step that
-        produced the first token, its latency divided by the tokens it produced per sequence.
-
-        Steps that produced no token and steps that processed a prompt (:meth:`prefill_indices`:
-        the first step of a later inner call, such as Whisper's next window) give none. A request
-        of ``n`` steps of one token each gives ``n - 1`` gaps. Yields, builds no list.
-        """
-        ends, tokens = self.step_ends_ns, self.step_tokens
-        starts = self.step_starts_ns
-        prefill = self.prefill_indices()
-        first = None
-        for index, produced in enumerate(tokens):
-            if first is None:
-                if produced > 0:
-                    first = index
-                continue
-            if produced <= 0 or index in prefill or index >= len(ends):
-                continue
-            start = starts[index] if starts is not None else ends[index - 1]
-            yield (ends[index] - start) / produced
-
-    def inter_token_latencies_s(self) -> List[float]:
-        """:meth:`inter_token_latencies_ns` in seconds, as a list; the common case (one token per
-        step, only the first step a prefill, steps back to back) computed at once, to the same values."""
-        ends, tokens = self.step_ends_ns, self.step_tokens
-        count = len(tokens)
-        if (
-            self.step_starts_ns is None
-            and 1 < count <= len(ends)
-            and min(tokens) == 1 == max(tokens)
-            and self.prefill_indices() <= {0}
-        ):
-            per_second = clock.NS_PER_S
-            return [float(gap) / per_second for gap in map(operator.sub, ends[1:count], ends[: count - 1])]
-        return [gap / clock.NS_PER_S for gap in self.inter_token_latencies_ns()]
-
-    def prefill_indices(self) -> set:
-        """Indices of the steps that processed a prompt (named ``prefill``)."""
-        first = set(range(self.prefill_steps))
-        first.update(call.first_step for call in self.calls if call.steps)
-        return first
-
     def duration_ns(self) -> Optional[int]:
+        """From ``start_ns`` to ``end_ns``, nanoseconds, or ``None`` before the request ended."""
         return None if self.end_ns is None else self.end_ns - self.start_ns
-
-
-def seconds(nanoseconds: Optional[float]) -> Optional[float]:
-    """Nanoseconds to seconds (``None`` stays ``None``)."""
-    return None if nanoseconds is None else nanoseconds / clock.NS_PER_S

@@ -153,7 +153,7 @@ def test_the_installed_sdk_aggregation_is_the_code_the_bulk_path_repeats():
     ],
 )
 def test_inter_token_latencies_in_seconds_are_those_of_the_generator(tokens, starts, prefill_steps):
-    from otel_generate import clock
+    from otel_generate import clock, derive
     from otel_generate.request import Request
 
     request = Request(model="m", start_ns=0, start_wall_ns=0, timed=True, synchronized=True)
@@ -161,7 +161,10 @@ def test_inter_token_latencies_in_seconds_are_those_of_the_generator(tokens, sta
     request.step_tokens = tokens
     request.step_starts_ns = starts
     request.prefill_steps = prefill_steps
-    expected = [gap / clock.NS_PER_S for gap in request.inter_token_latencies_ns()]
-    assert request.inter_token_latencies_s() == expected and all(type(v) is float for v in expected)
+    expected = [gap / clock.NS_PER_S for gap in derive.inter_token_latencies_ns(request)]
+    assert derive.inter_token_latencies_s(request) == expected and all(type(v) is float for v in expected)
+    # what the emitter records: taken from the step latencies when derived with them
+    summary = derive.derive(request, steps=True, inter_token=True)
+    assert summary.inter_token_latencies_s == expected
     if tokens == [1] * 6 and starts is None and prefill_steps == 1:
         assert expected == [g / 1e9 for g in (15, 18, 17, 6, 15)]
