@@ -138,8 +138,6 @@ GENERATE_TENSOR_PARALLEL_CALL_INDEX = "generate.tensor_parallel.call_index"
 #: ``torch.distributed.get_rank()`` and ``get_world_size()``, when ``torch.distributed`` is initialized.
 GENERATE_DISTRIBUTED_RANK = "generate.distributed.rank"
 GENERATE_DISTRIBUTED_WORLD_SIZE = "generate.distributed.world_size"
-#: ``tensor_parallel_spans``: only the group's rank 0 emits a request (default), or every rank does.
-TENSOR_PARALLEL_SPANS_RANK0, TENSOR_PARALLEL_SPANS_ALL = "rank0", "all"
 
 # --- this package: inner-call spans ---------------------------------------------------------------
 #: One span per inner ``generate()`` call when a request ran several (Whisper windows and
@@ -180,7 +178,6 @@ GENERATE_STEP_TOKEN_IDS = "generate.step.token_ids"
 GENERATE_STEP_LOGPROBS = "generate.step.logprobs"
 PHASE_PREFILL = STEP_SPAN_PREFILL
 PHASE_DECODE = STEP_SPAN_DECODE
-POLICY_ALL, POLICY_NONE, POLICY_SLOW = "all", "none", "slow"
 
 # --- GenAI semantic conventions: metrics ------------------------------------------------------
 METRIC_TIME_TO_FIRST_TOKEN = "gen_ai.server.time_to_first_token"

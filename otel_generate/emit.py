@@ -31,22 +31,12 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from otel_generate import _lifecycle, clock
 from otel_generate import attributes as A
 from otel_generate import telemetry as _telemetry
-from otel_generate._faults import error_type, log_fault_once
+from otel_generate._faults import Fault, error_type, log_fault_once
 from otel_generate.derive import Summary, derive
 from otel_generate.fast_spans import fast_eligible
 from otel_generate.record import GenerationRecord
 from otel_generate.request import Request
-
-# Moved to otel_generate.telemetry; still importable from here for the callers not yet changed.
-from otel_generate.telemetry import (  # noqa: E402,F401
-    BACKGROUND_YIELD_EVERY,
-    INSTRUMENTATION_NAME,
-    Telemetry,
-    content_options,
-    create_instruments,
-    get_event_logger,
-    get_tracer,
-)
+from otel_generate.telemetry import Telemetry  # noqa: E402
 
 
 def request_span_name(model: str) -> str:
@@ -114,7 +104,7 @@ def finish(
         )
     except Exception as fault:  # the step data is malformed: the request's own figures may still do
         request.incomplete = True
-        log_fault_once("request accounting", fault)
+        log_fault_once(Fault.REQUEST_ACCOUNTING, fault)
         detailed = False
         try:
             summary = derive(request)
@@ -125,31 +115,31 @@ def finish(
             record = _annotate(telemetry, span, request, summary, yield_every)
         except Exception as fault:
             request.incomplete = True
-            log_fault_once("request accounting", fault)
+            log_fault_once(Fault.REQUEST_ACCOUNTING, fault)
     content = telemetry.content
     if content is not None and content.event_logger is not None:
         try:
             _emit_details_event(content.event_logger, span, request)
         except Exception as fault:
-            log_fault_once("content event", fault)
+            log_fault_once(Fault.CONTENT_EVENT, fault)
     try:
         if request.incomplete and recording:
             span.set_attribute(A.GENERATE_STEPS_INCOMPLETE, True)
         end = request.end_ns
         span.end(end_time=request.wall_ns(end) if end is not None else None)
     except Exception as fault:
-        log_fault_once("request span end", fault)
+        log_fault_once(Fault.REQUEST_SPAN_END, fault)
     if measured and summary is not None:  # every request, also one whose attributes faulted
         try:
             _record_metrics(instruments, span, request, summary, telemetry.fast_histograms)
         except Exception as fault:
-            log_fault_once("metrics", fault)
+            log_fault_once(Fault.METRICS, fault)
     if record is not None:
         for profiler in profilers:
             try:
                 profiler._add(record)
             except Exception as fault:
-                log_fault_once("profiler", fault)
+                log_fault_once(Fault.PROFILER, fault)
     return record
 
 
@@ -309,7 +299,7 @@ def _emit_steps(telemetry: Telemetry, span: Any, request: Request, summary: Summ
                     name, context=parents[index], kind=internal, start_time=start + wall_offset, attributes=attributes
                 ).end(end_time=end + wall_offset)
         except Exception as fault:  # a span processor raised: the other steps and the metrics still go
-            log_fault_once("step span export", fault)
+            log_fault_once(Fault.STEP_SPAN_EXPORT, fault)
         if yield_every and index % yield_every == yield_every - 1:
             time.sleep(0)  # a background emitter lets the producer run
 

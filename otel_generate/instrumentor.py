@@ -27,7 +27,7 @@ from otel_generate import content as _content
 from otel_generate import options as _options
 from otel_generate._faults import LOGGER_NAME, Fault, log_fault_once
 from otel_generate._patch import Patches
-from otel_generate.emit import Telemetry, create_instruments, get_event_logger, get_tracer
+from otel_generate.telemetry import Telemetry
 
 _LOG = logging.getLogger(LOGGER_NAME)
 
@@ -221,20 +221,6 @@ def start_emitter(patches: Patches, telemetry: Telemetry) -> Any:
 # --- the instrumentor ---------------------------------------------------------------------------
 
 
-def _content_options(options: _options.Options) -> Any:
-    """The :class:`~otel_generate.content.ContentOptions` to capture, or ``None`` when nothing is."""
-    mode = options.capture_message_content
-    token_ids, logprobs = options.capture_step_token_ids, options.capture_step_logprobs
-    if mode is _content.ContentMode.NO_CONTENT and not token_ids and not logprobs:
-        return None
-    return _content.ContentOptions(
-        mode=mode,
-        step_token_ids=token_ids or logprobs,
-        step_logprobs=logprobs,
-        event_logger=get_event_logger(options.logger_provider) if mode.on_event else None,
-    )
-
-
 class GenerateInstrumentor(BaseInstrumentor):
     """An instrumentor for ``transformers.GenerationMixin.generate``.
 
@@ -247,7 +233,7 @@ class GenerateInstrumentor(BaseInstrumentor):
 
     @property
     def telemetry(self) -> Optional[Telemetry]:
-        """The :class:`~otel_generate.emit.Telemetry` of the instrumentation in place, else ``None``."""
+        """The :class:`~otel_generate.telemetry.Telemetry` of the instrumentation in place, else ``None``."""
         return self._telemetry
 
     def instrumentation_dependencies(self) -> Collection[str]:
@@ -272,16 +258,8 @@ class GenerateInstrumentor(BaseInstrumentor):
         # Nothing of transformers is imported here: every row of PATCHES is installed when its module
         # is first imported (at once where it already is).
         options = _options.resolve(kwargs)
-        telemetry = Telemetry(
-            tracer=get_tracer(options.tracer_provider),
-            instruments=create_instruments(options.meter_provider),
-            synchronize=options.synchronize,
-            max_step_spans=options.max_step_spans,
-            skip_candidate_calls=False,  # read from GenerationMixin when its module is imported
-            profilers=active_profilers,
-            content=_content_options(options),
-            options=options,
-        )
+        # skip_candidate_calls is read from GenerationMixin when its module is imported
+        telemetry = Telemetry.from_options(options, profilers=active_profilers)
         patches = Patches()
         install(patches, telemetry)
         if options.background_emission:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Optional, TypeVar
 
 from otel_generate import content as _content
 from otel_generate._faults import LOGGER_NAME
+from otel_generate.policy import STEP_SPAN_POLICIES, STEP_SPANS_ALL, STEP_SPANS_NONE, STEP_SPANS_SLOW  # noqa: F401 (re-exported)
 
 _LOG = logging.getLogger(LOGGER_NAME)
 T = TypeVar("T")
@@ -33,8 +34,6 @@ ENV_TENSOR_PARALLEL_SPANS = "OTEL_GENERATE_TENSOR_PARALLEL_SPANS"
 
 DEFAULT_MAX_STEP_SPANS = 1024
 #: Step-span policies: every sampled request's steps, none, or only those of slow or failed requests.
-STEP_SPANS_ALL, STEP_SPANS_NONE, STEP_SPANS_SLOW = "all", "none", "slow"
-STEP_SPAN_POLICIES = (STEP_SPANS_ALL, STEP_SPANS_NONE, STEP_SPANS_SLOW)
 DEFAULT_SLOW_TIME_TO_FIRST_TOKEN_S = 1.0
 DEFAULT_SLOW_TIME_PER_OUTPUT_TOKEN_S = 0.1
 DEFAULT_SLOW_FRACTION = 0.05

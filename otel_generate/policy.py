@@ -24,7 +24,11 @@ import collections
 import threading
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from otel_generate.attributes import POLICY_ALL, POLICY_NONE, POLICY_SLOW
+#: The step-span policies (``instrument(step_spans=...)``, ``OTEL_GENERATE_STEP_SPANS``), also the value of
+#: the request span's ``generate.step_spans.policy``: every request's steps become spans, none do, or only
+#: a slow request's do (:class:`SlowRequests`).
+STEP_SPANS_ALL, STEP_SPANS_NONE, STEP_SPANS_SLOW = "all", "none", "slow"
+STEP_SPAN_POLICIES = (STEP_SPANS_ALL, STEP_SPANS_NONE, STEP_SPANS_SLOW)
 
 WINDOW = 512
 MAX_MODELS = 64
@@ -138,7 +142,7 @@ class StepSpanPolicy:
 
     def __init__(
         self,
-        name: str = POLICY_ALL,
+        name: str = STEP_SPANS_ALL,
         max_step_spans: int = 1024,
         outlier_factor: float = 3.0,
         slow: Optional[SlowRequests] = None,
@@ -146,15 +150,15 @@ class StepSpanPolicy:
         self.name = name
         self.max_step_spans = max_step_spans
         self.outlier_factor = outlier_factor
-        if name == POLICY_SLOW and slow is None:
+        if name == STEP_SPANS_SLOW and slow is None:
             raise ValueError("the 'slow' step-span policy needs its SlowRequests")
-        self.slow = slow if name == POLICY_SLOW else None
+        self.slow = slow if name == STEP_SPANS_SLOW else None
 
     @classmethod
     def from_options(cls, options: Any) -> "StepSpanPolicy":
         """The policy of a resolved :class:`~otel_generate.options.Options`."""
         slow = None
-        if options.step_spans == POLICY_SLOW:
+        if options.step_spans == STEP_SPANS_SLOW:
             slow = SlowRequests(
                 options.slow_time_to_first_token, options.slow_time_per_output_token, options.slow_fraction
             )
@@ -165,9 +169,9 @@ class StepSpanPolicy:
     ) -> Tuple[bool, Optional[str]]:
         """``(emit, reason)``: whether this request's steps become spans, and why (policy ``slow``
         only, else ``None``). Under ``slow``, adds the request to its model's running distribution."""
-        if self.name == POLICY_ALL:
+        if self.name == STEP_SPANS_ALL:
             return True, None
-        if self.name == POLICY_NONE or self.slow is None:
+        if self.name == STEP_SPANS_NONE or self.slow is None:
             return False, None
         reason = self.slow.reason(model, failed, ttft_s, tpot_s)
         return reason is not None, reason

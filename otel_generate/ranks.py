@@ -41,6 +41,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from otel_generate import attributes as A
 from otel_generate._faults import Fault, log_fault_once
+from otel_generate.options import TENSOR_PARALLEL_SPANS_ALL
 
 #: model -> _ModelRanks (or None when the model is not sharded by tensor parallelism)
 _MODELS: "weakref.WeakKeyDictionary[Any, Optional[_ModelRanks]]" = weakref.WeakKeyDictionary()
@@ -143,7 +144,7 @@ def placement(model: Any, mode: str) -> Optional[Placement]:
             attributes[A.GENERATE_TENSOR_PARALLEL_SIZE] = group.size
             attributes[A.GENERATE_TENSOR_PARALLEL_CALL_INDEX] = next(group.calls)
             if group.rank != 0:
-                if mode == A.TENSOR_PARALLEL_SPANS_ALL:
+                if mode == TENSOR_PARALLEL_SPANS_ALL:
                     metrics = False
                 else:
                     silent = True

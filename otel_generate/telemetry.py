@@ -22,7 +22,7 @@ from opentelemetry import metrics, trace
 
 from otel_generate import attributes as A
 from otel_generate import content as _content
-from otel_generate._faults import log_fault_once
+from otel_generate._faults import Fault, log_fault_once
 from otel_generate.options import Options
 from otel_generate.policy import StepSpanPolicy
 from otel_generate.request import Request
@@ -193,7 +193,7 @@ def _after_fork_in_child() -> None:
         try:
             telemetry._after_fork_in_child()
         except Exception as fault:  # pragma: no cover - never break a fork
-            log_fault_once("request set-ups after fork", fault)
+            log_fault_once(Fault.REQUEST_SET_UPS_AFTER_FORK, fault)
 
 
 if hasattr(os, "register_at_fork"):

@@ -104,7 +104,7 @@ def captured_telemetry(monkeypatch):
     """The options instrument() actually used (the Telemetry object it built)."""
     built = []
 
-    class Recording(otel_generate.emit.Telemetry):
+    class Recording(otel_generate.telemetry.Telemetry):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             built.append(self)

@@ -33,6 +33,7 @@ from otel_generate.integrations.cb_records import (
     base_id,
 )
 from otel_generate.request import Request
+from otel_generate.telemetry import Telemetry
 
 #: Where a manager (and its ``OutputRouter``) keeps this package's state.
 STATE_ATTR = "_otel_generate_cb"
@@ -56,7 +57,7 @@ class ManagerState:
     :meth:`process` on the emitter thread (or the thread of a paged ``generate()`` call).
     """
 
-    def __init__(self, telemetry: emit.Telemetry, manager: Any) -> None:
+    def __init__(self, telemetry: Telemetry, manager: Any) -> None:
         from otel_generate.integrations.generate_loop import model_name
 
         self.telemetry = telemetry
@@ -310,7 +311,7 @@ class ManagerState:
             self.collect = bool(self.submitting or self.timed)
 
 
-def state_of(manager: Any, telemetry: emit.Telemetry) -> ManagerState:
+def state_of(manager: Any, telemetry: Telemetry) -> ManagerState:
     """The manager's state for this instrumentation (created on its first request)."""
     state = manager.__dict__.get(STATE_ATTR)
     if state is not None and state.telemetry is telemetry:
@@ -325,7 +326,7 @@ def state_of(manager: Any, telemetry: emit.Telemetry) -> ManagerState:
     return state
 
 
-def end_in_flight(telemetry: emit.Telemetry) -> None:
+def end_in_flight(telemetry: Telemetry) -> None:
     """``uninstrument()``: emit what finished, and end the spans of the requests still in flight,
     marked ``generate.steps.incomplete`` with what was recorded so far (they go on generating,
     uninstrumented). Never raises."""

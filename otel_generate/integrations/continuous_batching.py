@@ -75,6 +75,7 @@ from otel_generate.integrations.cb_records import (
     eos_set,
     new_entry,
 )
+from otel_generate.telemetry import Telemetry
 
 __all__ = [
     "CHILD_SEPARATOR",
@@ -162,7 +163,7 @@ def _sampling_parameters(generation_config: Any, overrides: Dict[str, Any]) -> D
     return params
 
 
-def make_add_request(original: Callable, telemetry: emit.Telemetry) -> Callable:
+def make_add_request(original: Callable, telemetry: Telemetry) -> Callable:
     """``ContinuousBatchingManager.add_request``: the submission (clocks, context, span, parameters)."""
     signature = inspect.signature(original)
 
@@ -213,7 +214,7 @@ def make_add_request(original: Callable, telemetry: emit.Telemetry) -> Callable:
 
 
 def _record(
-    telemetry: emit.Telemetry,
+    telemetry: Telemetry,
     manager: Any,
     signature: inspect.Signature,
     args: tuple,
@@ -253,7 +254,7 @@ def _record(
     return record
 
 
-def make_generation_loop_body(original: Callable, telemetry: emit.Telemetry) -> Callable:
+def make_generation_loop_body(original: Callable, telemetry: Telemetry) -> Callable:
     """``ContinuousBatchingManager._generation_loop_body``: one loop iteration; logs its batch step."""
 
     @functools.wraps(original)
@@ -310,7 +311,7 @@ def _log_step(state: ManagerState, manager: Any, args: tuple, kwargs: dict, star
     state.steps.append(new_entry(AsyncBatchLog, (start, end, launched, updated)))
 
 
-def _make_deliver(original: Callable, telemetry: emit.Telemetry, single: bool) -> Callable:
+def _make_deliver(original: Callable, telemetry: Telemetry, single: bool) -> Callable:
     @functools.wraps(original)
     def deliver(self, *args, **kwargs):
         state = self.__dict__.get(STATE_ATTR)
@@ -335,17 +336,17 @@ def _make_deliver(original: Callable, telemetry: emit.Telemetry, single: bool) -
     return deliver
 
 
-def make_deliver(original: Callable, telemetry: emit.Telemetry) -> Callable:
+def make_deliver(original: Callable, telemetry: Telemetry) -> Callable:
     """``OutputRouter.deliver``: one output handed over (a failure, a streamed token)."""
     return _make_deliver(original, telemetry, single=True)
 
 
-def make_deliver_batch(original: Callable, telemetry: emit.Telemetry) -> Callable:
+def make_deliver_batch(original: Callable, telemetry: Telemetry) -> Callable:
     """``OutputRouter.deliver_batch``: the outputs of one batch step."""
     return _make_deliver(original, telemetry, single=False)
 
 
-def make_cancel_request(original: Callable, telemetry: emit.Telemetry) -> Callable:
+def make_cancel_request(original: Callable, telemetry: Telemetry) -> Callable:
     """``ContinuousBatchingManager.cancel_request``: the request will never deliver an output."""
 
     @functools.wraps(original)

@@ -43,12 +43,12 @@ from typing import Any, Callable, List, Optional, Sequence
 from transformers.generation.logits_process import LogitsProcessor
 
 from otel_generate import attributes as A
-from otel_generate import emit
 from otel_generate._faults import LOGGER_NAME, Fault, log_fault_once
 from otel_generate.content import input_messages, output_messages
 from otel_generate.integrations import pipelines
 from otel_generate.integrations._routing import _ACTIVE, _sequences, compiler_disabled, strategy_of
 from otel_generate.integrations.loop_state import Loop
+from otel_generate.telemetry import Telemetry
 from otel_generate.tokens import _as_id_list
 
 #: The ``GenerationMixin`` method :func:`make_get_logits_processor` wraps.
@@ -274,7 +274,7 @@ def _logprob_of(scores: Any, tokens: Any) -> Any:
     return torch.log_softmax(scores.float(), dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def make_get_logits_processor(original: Callable, telemetry: emit.Telemetry) -> Callable:
+def make_get_logits_processor(original: Callable, telemetry: Telemetry) -> Callable:
     """``GenerationMixin._get_logits_processor``, hooked only when step log-probabilities are asked for.
 
     Appends a :class:`StepLogprobs` as the last processor (after the warpers, which transformers

@@ -55,6 +55,7 @@ from otel_generate.integrations._routing import (  # noqa: F401  (re-exported: c
 from otel_generate.integrations.accounting import account_call
 from otel_generate.integrations.loop_state import CALLBACK_KWARG, TRACK_KWARG, Call, Loop  # noqa: F401
 from otel_generate.integrations.streamer import _TimedStreamer  # noqa: F401  (re-exported)
+from otel_generate.telemetry import Telemetry
 
 _LOG = logging.getLogger(LOGGER_NAME)
 
@@ -125,7 +126,7 @@ def finish(call: Call, result: Any = None, exc: Optional[BaseException] = None) 
     return result
 
 
-def _content_capture(telemetry: emit.Telemetry) -> Any:
+def _content_capture(telemetry: Telemetry) -> Any:
     """The :class:`~.loop_state.ContentCapture` of a new call, or ``None`` (content capture off: then
     :mod:`.generate_content`, which imports transformers' logits processors, is never imported)."""
     if telemetry.content is None:
@@ -155,7 +156,7 @@ def pop_extras(kwargs: dict) -> dict:
 
 
 def run_request(
-    telemetry: emit.Telemetry,
+    telemetry: Telemetry,
     original: Callable,
     model: Any,
     args: tuple,
@@ -225,7 +226,7 @@ def setup_done(call: Call) -> None:
             telemetry.setups_changed.notify_all()
 
 
-def wait_for_setups(telemetry: emit.Telemetry, timeout_s: Optional[float] = None) -> bool:
+def wait_for_setups(telemetry: Telemetry, timeout_s: Optional[float] = None) -> bool:
     """Wait until no other thread's request is in its set-up, at most ``timeout_s`` seconds
     (default :data:`UNINSTRUMENT_SETUP_WAIT_S`); ``uninstrument()`` calls it after turning the
     instrumentation off for new requests and before removing the hooks, so that a request already
@@ -271,7 +272,7 @@ def run_inner_loop(call: Call, original: Callable, model: Any, args: tuple, kwar
 # --- the hooks ------------------------------------------------------------------------------------
 
 
-def make_generate(original: Callable, telemetry: emit.Telemetry) -> Callable:
+def make_generate(original: Callable, telemetry: Telemetry) -> Callable:
     """``GenerationMixin.generate``: a request of its own, or one more loop of the request in progress."""
 
     @functools.wraps(original)
@@ -295,7 +296,7 @@ def _method_signature(function: Any) -> inspect.Signature:
     return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
-def make_prepare_generated_length(original: Callable, telemetry: emit.Telemetry) -> Callable:
+def make_prepare_generated_length(original: Callable, telemetry: Telemetry) -> Callable:
     """``GenerationMixin._prepare_generated_length``: learns the loop's config and prompt width."""
     signature = _method_signature(original)
 
@@ -317,7 +318,7 @@ def make_prepare_generated_length(original: Callable, telemetry: emit.Telemetry)
     return compiler_disabled(_prepare_generated_length)
 
 
-def make_get_stopping_criteria(original: Callable, telemetry: emit.Telemetry) -> Callable:
+def make_get_stopping_criteria(original: Callable, telemetry: Telemetry) -> Callable:
     """``GenerationMixin._get_stopping_criteria``: returns the criteria as a recording list."""
 
     @functools.wraps(original)
@@ -339,7 +340,7 @@ def make_get_stopping_criteria(original: Callable, telemetry: emit.Telemetry) ->
     return compiler_disabled(_get_stopping_criteria)
 
 
-def make_get_candidate_generator(original: Callable, telemetry: emit.Telemetry) -> Callable:
+def make_get_candidate_generator(original: Callable, telemetry: Telemetry) -> Callable:
     """``GenerationMixin._get_candidate_generator``: which candidate generator assisted decoding uses."""
 
     @functools.wraps(original)
@@ -358,7 +359,7 @@ def make_get_candidate_generator(original: Callable, telemetry: emit.Telemetry) 
     return compiler_disabled(_get_candidate_generator)
 
 
-def make_prepare_cache_for_generation(original: Callable, telemetry: emit.Telemetry) -> Callable:
+def make_prepare_cache_for_generation(original: Callable, telemetry: Telemetry) -> Callable:
     """``GenerationMixin._prepare_cache_for_generation``: the loop's key/value cache object, to size it at the end."""
     signature = _method_signature(original)
 

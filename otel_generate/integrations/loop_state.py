@@ -41,6 +41,7 @@ from otel_generate.integrations._routing import (
 )
 from otel_generate.integrations.streamer import _TimedStreamer
 from otel_generate.request import Request
+from otel_generate.telemetry import Telemetry
 from otel_generate.tokens import step_tokens
 
 #: Keywords this package adds to ``generate()``; they never reach transformers.
@@ -92,7 +93,7 @@ class Call(CallFrame):
 
     def __init__(
         self,
-        telemetry: emit.Telemetry,
+        telemetry: Telemetry,
         model: Any,
         args: tuple,
         kwargs: dict,

@@ -19,12 +19,12 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from otel_generate import emit
 from otel_generate.integrations._routing import compiler_disabled, current_call
 from otel_generate.integrations.generate_loop import run_request
+from otel_generate.telemetry import Telemetry
 
 
-def make_outer_generate(original: Callable, telemetry: emit.Telemetry) -> Callable:
+def make_outer_generate(original: Callable, telemetry: Telemetry) -> Callable:
     """A model class's own ``generate``: the request, unless it runs inside one of the same model
     (``super().generate()`` chains, a submodule's ``generate()``)."""
 
@@ -37,7 +37,7 @@ def make_outer_generate(original: Callable, telemetry: emit.Telemetry) -> Callab
     return compiler_disabled(generate)
 
 
-def make_load_custom_generate(original: Callable, telemetry: emit.Telemetry) -> Callable:
+def make_load_custom_generate(original: Callable, telemetry: Telemetry) -> Callable:
     """``GenerationMixin.load_custom_generate``: the loaded ``generate(model, *args, **kwargs)`` is a request."""
 
     @functools.wraps(original)
@@ -50,7 +50,7 @@ def make_load_custom_generate(original: Callable, telemetry: emit.Telemetry) -> 
     return load_custom_generate
 
 
-def _custom_generate_entry(function: Callable, telemetry: emit.Telemetry, source: Any) -> Callable:
+def _custom_generate_entry(function: Callable, telemetry: Telemetry, source: Any) -> Callable:
     @functools.wraps(function)
     def custom_generate(*args, **kwargs):
         model = kwargs.get("model", args[0] if args else None)

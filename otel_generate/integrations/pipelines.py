@@ -23,8 +23,8 @@ import contextvars
 import functools
 from typing import Any, Callable, Optional
 
-from otel_generate import emit
 from otel_generate._faults import Fault, log_fault_once
+from otel_generate.telemetry import Telemetry
 
 MODULE = "transformers.pipelines.base"
 
@@ -51,7 +51,7 @@ def _tokenizer_of(pipeline: Any) -> Any:
     return tokenizer
 
 
-def make_forward(original: Callable, telemetry: emit.Telemetry) -> Callable:
+def make_forward(original: Callable, telemetry: Telemetry) -> Callable:
     """``Pipeline.forward``: the pipeline's model and tokenizer in a context variable while it runs."""
 
     @functools.wraps(original)

@@ -34,8 +34,9 @@ from typing import Any, Callable
 
 from opentelemetry import context as otel_context
 
-from otel_generate import _lifecycle, emit
+from otel_generate import _lifecycle
 from otel_generate._faults import Fault, log_fault_once
+from otel_generate.telemetry import Telemetry
 
 MODULE = "transformers.cli.serving.utils"
 CLASS = "InferenceThread"
@@ -58,7 +59,7 @@ def in_context(function: Callable, context: Any) -> Callable:
     return run
 
 
-def make_submit(original: Callable, telemetry: emit.Telemetry) -> Callable:
+def make_submit(original: Callable, telemetry: Telemetry) -> Callable:
     """``InferenceThread.submit``/``async_submit(fn, *args, **kwargs)``: ``fn`` runs in the submitter's context."""
 
     @functools.wraps(original)
@@ -73,7 +74,7 @@ def make_submit(original: Callable, telemetry: emit.Telemetry) -> Callable:
     return submit
 
 
-def make_build_server(original: Callable, telemetry: emit.Telemetry) -> Callable:
+def make_build_server(original: Callable, telemetry: Telemetry) -> Callable:
     """``build_server(...)``: the app it returns flushes telemetry when its lifespan ends."""
 
     @functools.wraps(original)

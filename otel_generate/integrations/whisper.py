@@ -16,17 +16,17 @@ import inspect
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from otel_generate import attributes as A
-from otel_generate import emit
 from otel_generate._faults import Fault, log_fault_once
 from otel_generate.integrations._routing import active_call
 from otel_generate.integrations.loop_state import Loop
+from otel_generate.telemetry import Telemetry
 
 MODULE = "transformers.models.whisper.generation_whisper"
 #: Seconds of audio per ``seek`` frame: ``time_precision`` (0.02 s) / ``input_stride`` (2).
 SECONDS_PER_FRAME = 0.01
 
 
-def make_generate_with_fallback(original: Callable, telemetry: emit.Telemetry) -> Callable:
+def make_generate_with_fallback(original: Callable, telemetry: Telemetry) -> Callable:
     """One window: its index, where it starts, the rows it decodes and the temperatures to try."""
     signature = inspect.signature(original)
 
@@ -52,7 +52,7 @@ def make_generate_with_fallback(original: Callable, telemetry: emit.Telemetry) -
     return generate_with_fallback
 
 
-def make_need_fallback(original: Callable, telemetry: emit.Telemetry) -> Callable:
+def make_need_fallback(original: Callable, telemetry: Telemetry) -> Callable:
     """Per row of the attempt just decoded: ``(needs_fallback, should_skip)``."""
     signature = inspect.signature(original)
 

@@ -276,7 +276,7 @@ def test_a_forked_child_starts_with_empty_histograms_and_the_parent_keeps_its_ow
 
 def test_the_fork_reset_leaves_other_instruments_alone():
     from otel_generate import _lifecycle
-    from otel_generate.emit import create_instruments
+    from otel_generate.telemetry import create_instruments
 
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader])

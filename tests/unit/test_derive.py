@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-from otel_generate import attributes as A
 from otel_generate.derive import (
     derive,
     inter_token_latencies_ns,
@@ -17,7 +16,7 @@ from otel_generate.derive import (
     prefill_indices,
     step_starts_ns,
 )
-from otel_generate.policy import SlowRequests, StepSpanPolicy
+from otel_generate.policy import STEP_SPANS_ALL, STEP_SPANS_NONE, STEP_SPANS_SLOW, SlowRequests, StepSpanPolicy
 from otel_generate.request import InnerCall, Request
 
 NS = 1_000_000_000
@@ -125,19 +124,19 @@ def test_outliers_are_decode_steps_above_factor_times_the_median():
 
 def test_step_spans_decision_under_each_policy():
     request = make([10, 20, 30, 40, 90], [1, 1, 1, 1, 1], start=0)
-    everything = derive(request, StepSpanPolicy(A.POLICY_ALL, max_step_spans=3), spans=True)
+    everything = derive(request, StepSpanPolicy(STEP_SPANS_ALL, max_step_spans=3), spans=True)
     assert (everything.decided, everything.emit_steps, everything.steps_emitted) == (True, True, True)
     assert everything.step_spans == 3 and everything.reason is None
     assert everything.outliers == {4}  # 50 > 3 x 10
-    nothing = derive(request, StepSpanPolicy(A.POLICY_NONE), spans=True)
+    nothing = derive(request, StepSpanPolicy(STEP_SPANS_NONE), spans=True)
     assert (nothing.decided, nothing.emit_steps, nothing.steps_emitted, nothing.step_spans) == (True, False, False, 0)
-    capped = derive(request, StepSpanPolicy(A.POLICY_ALL, max_step_spans=0), spans=True)
+    capped = derive(request, StepSpanPolicy(STEP_SPANS_ALL, max_step_spans=0), spans=True)
     assert capped.emit_steps and not capped.steps_emitted and capped.step_spans == 0
 
 
 def test_slow_policy_gives_its_reason():
     fast_enough = SlowRequests(time_to_first_token_s=1.0, time_per_output_token_s=1.0, fraction=0.0)
-    policy = StepSpanPolicy(A.POLICY_SLOW, slow=fast_enough)
+    policy = StepSpanPolicy(STEP_SPANS_SLOW, slow=fast_enough)
     request = make([10, 20, 30], [1, 1, 1])
     s = derive(request, policy, spans=True)
     assert (s.emit_steps, s.reason, s.step_spans) == (False, None, 0)
@@ -224,4 +223,4 @@ def test_the_policys_defaults_are_the_options_defaults():
         options.DEFAULT_OUTLIER_FACTOR,
     )
     with pytest.raises(ValueError):
-        StepSpanPolicy(A.POLICY_SLOW)
+        StepSpanPolicy(STEP_SPANS_SLOW)

@@ -262,10 +262,3 @@ def test_telemetry_reads_its_settings_from_the_options_only():
     assert t.profilers() == ()  # no profiler registry given: none
     older = telemetry.Telemetry(t.tracer, {}, synchronize=False, max_step_spans=3)
     assert (older.options.synchronize, older.options.max_step_spans, older.max_step_spans) == (False, 3, 3)
-
-
-def test_the_moved_names_are_still_importable_from_emit():
-    for name in ("Telemetry", "create_instruments", "get_tracer", "get_event_logger", "INSTRUMENTATION_NAME"):
-        assert getattr(emit, name) is getattr(telemetry, name)
-    with pytest.raises(AttributeError):
-        emit.no_such_name  # noqa: B018
