@@ -33,8 +33,8 @@ STEPS = 128
 def _telemetry(options):
     try:
         from otel_generate.telemetry import Telemetry
-    except ImportError:  # the tree before issue 16: the context was built field by field
-        from otel_generate.telemetry import Telemetry, create_instruments, get_tracer
+    except ImportError:  # the tree before issue 16: the context was built field by field, in emit
+        from otel_generate.emit import Telemetry, create_instruments, get_tracer
 
         return Telemetry(
             tracer=get_tracer(options.tracer_provider),

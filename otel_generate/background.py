@@ -10,8 +10,8 @@ Bounded: at most ``max_pending`` requests wait; a request that finds the queue f
 emitted, and :attr:`BackgroundEmitter.dropped` counts it (a warning is logged once).
 
 Drained first: ``uninstrument()``, the SDK's ``TracerProvider.force_flush``/``shutdown`` and
-``MeterProvider.force_flush``/``shutdown`` (hooked while an emitter exists, see
-:func:`install_drain_hooks`; that covers the pool-worker exit flush of
+``MeterProvider.force_flush``/``shutdown`` (hooked by :func:`make_draining`, rows of
+:data:`otel_generate.instrumentor.PATCHES` installed when an emitter starts; that covers the pool-worker exit flush of
 :mod:`otel_generate._lifecycle`, which calls ``shutdown()``) wait for the queue to empty, at most
 their timeout. Interpreter exit too: the SDK registers its exit-time ``shutdown`` when a provider
 is created, bound before the hooks exist, so each emitter registers an ``atexit`` drain of its
@@ -32,7 +32,6 @@ import weakref
 from typing import Callable, Deque, Optional
 
 from otel_generate._faults import Fault, log_fault_once
-from otel_generate._patch import Patches
 
 #: Requests waiting at most, by default.
 DEFAULT_MAX_PENDING = 1024
@@ -165,15 +164,3 @@ def make_draining(original: Callable, emitter: BackgroundEmitter) -> Callable:
         return original(self, *args, **kwargs)
 
     return draining
-
-
-def install_drain_hooks(patches: Patches, emitter: BackgroundEmitter) -> None:
-    """Make the SDK's providers drain ``emitter`` before they flush or shut down."""
-    try:
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.trace import TracerProvider
-    except ImportError:  # no SDK: nothing exports, nothing to drain into
-        return
-    for cls in (TracerProvider, MeterProvider):
-        for name in ("force_flush", "shutdown"):
-            patches.replace(cls, name, make_draining, emitter)

@@ -71,6 +71,12 @@ class Summary:
         steps_emitted: ``generate.step_spans.emitted``: spans will be built for at least one step.
         step_spans: how many step spans to build (the first ones, at most ``max_step_spans``).
         outliers: indices of the outlier decode steps (``spans``).
+        time_to_first_chunk_s: from the start to the first chunk a streaming client was sent
+            (``gen_ai.response.time_to_first_chunk``), when known.
+        streamer_s, time_in_queue_s: the user streamer's own time and the time queued before the
+            first step (``steps``), when known.
+        acceptance_rate: assisted decoding's accepted ÷ proposed candidate tokens (``steps``),
+            when any was proposed.
     """
 
     duration_s: float
@@ -90,6 +96,10 @@ class Summary:
     steps_emitted: bool = False
     step_spans: int = 0
     outliers: AbstractSet[int] = frozenset()
+    time_to_first_chunk_s: Optional[float] = None
+    streamer_s: Optional[float] = None
+    time_in_queue_s: Optional[float] = None
+    acceptance_rate: Optional[float] = None
 
 
 def derive(
@@ -131,6 +141,8 @@ def derive(
         ttft_s,
         tpot_s,
     )
+    if request.first_chunk_ns is not None:
+        summary.time_to_first_chunk_s = (request.first_chunk_ns - start) / per_second
     if not (steps or spans or inter_token):
         return summary
     prefill = summary.prefill = prefill_indices(request)
@@ -140,6 +152,12 @@ def derive(
         summary.step_latencies_s = [latency / per_second for latency in latencies_ns]
         summary.step_ends_ns = ends
         summary.steps_unseen = request.unobserved is not None or (request.uninstrumented and not latencies_ns)
+        if request.streamer_ns is not None:
+            summary.streamer_s = request.streamer_ns / per_second
+        if request.queue_ns is not None:
+            summary.time_in_queue_s = request.queue_ns / per_second
+        if request.candidates_proposed and request.candidates_accepted is not None:
+            summary.acceptance_rate = request.candidates_accepted / request.candidates_proposed
     if inter_token and error is None and tpot_s is not None:
         summary.inter_token_latencies_s = inter_token_latencies_s(
             request, prefill, summary.step_latencies_s if (steps or spans) else None

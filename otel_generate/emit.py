@@ -28,7 +28,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from otel_generate import _lifecycle, clock
+from otel_generate import _lifecycle
 from otel_generate import attributes as A
 from otel_generate import telemetry as _telemetry
 from otel_generate._faults import Fault, error_type, log_fault_once
@@ -119,7 +119,7 @@ def finish(
     content = telemetry.content
     if content is not None and content.event_logger is not None:
         try:
-            _emit_details_event(content.event_logger, span, request)
+            _emit_details_event(content.event_logger, span, request, summary)
         except Exception as fault:
             log_fault_once(Fault.CONTENT_EVENT, fault)
     try:
@@ -151,13 +151,13 @@ def _annotate(
     latencies_s = summary.step_latencies_s
     if span.is_recording():
         attrs: Dict[str, Any] = dict(request.parameters)
-        _add_response_attributes(attrs, request)
-        if request.streamer_ns is not None:
-            attrs[A.GENERATE_STREAMER_DURATION] = request.streamer_ns / clock.NS_PER_S
+        _add_response_attributes(attrs, request, summary)
+        if summary.streamer_s is not None:
+            attrs[A.GENERATE_STREAMER_DURATION] = summary.streamer_s
         if request.request_id is not None:
             attrs[A.GEN_AI_RESPONSE_ID] = request.request_id
-        if request.queue_ns is not None:
-            attrs[A.GENERATE_TIME_IN_QUEUE] = request.queue_ns / clock.NS_PER_S
+        if summary.time_in_queue_s is not None:
+            attrs[A.GENERATE_TIME_IN_QUEUE] = summary.time_in_queue_s
         if request.discarded_output_tokens is not None:
             attrs[A.GENERATE_USAGE_DISCARDED_OUTPUT_TOKENS] = request.discarded_output_tokens
         for key, value in (
@@ -168,8 +168,8 @@ def _annotate(
         ):
             if value is not None:
                 attrs[key] = value
-        if request.candidates_proposed and request.candidates_accepted is not None:
-            attrs[A.GENERATE_ASSISTED_ACCEPTANCE_RATE] = request.candidates_accepted / request.candidates_proposed
+        if summary.acceptance_rate is not None:
+            attrs[A.GENERATE_ASSISTED_ACCEPTANCE_RATE] = summary.acceptance_rate
         steps_unseen = summary.steps_unseen
         if request.timed:
             attrs[A.GENERATE_SYNCHRONIZED] = request.synchronized
@@ -304,7 +304,7 @@ def _emit_steps(telemetry: Telemetry, span: Any, request: Request, summary: Summ
             time.sleep(0)  # a background emitter lets the producer run
 
 
-def _add_response_attributes(attrs: Dict[str, Any], request: Request) -> None:
+def _add_response_attributes(attrs: Dict[str, Any], request: Request, summary: Optional[Summary]) -> None:
     """The GenAI response attributes the request span and the details event share: token usage,
     finish reasons and time to first chunk (seconds), each only when known."""
     if request.input_tokens is not None:
@@ -313,8 +313,8 @@ def _add_response_attributes(attrs: Dict[str, Any], request: Request) -> None:
         attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] = request.output_tokens
     if request.finish_reasons is not None:
         attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] = list(request.finish_reasons)
-    if request.first_chunk_ns is not None:
-        attrs[A.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] = (request.first_chunk_ns - request.start_ns) / clock.NS_PER_S
+    if summary is not None and summary.time_to_first_chunk_s is not None:
+        attrs[A.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] = summary.time_to_first_chunk_s
 
 
 def _json(messages: Any) -> str:
@@ -322,7 +322,7 @@ def _json(messages: Any) -> str:
     return json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
 
 
-def _emit_details_event(logger: Any, span: Any, request: Request) -> None:
+def _emit_details_event(logger: Any, span: Any, request: Request, summary: Optional[Summary]) -> None:
     """The ``gen_ai.client.inference.operation.details`` event of one request, in the request span's context.
 
     Its attributes are the request's ``gen_ai.*`` attributes and ``error.type`` (as on the span),
@@ -339,9 +339,9 @@ def _emit_details_event(logger: Any, span: Any, request: Request) -> None:
         A.GEN_AI_RESPONSE_MODEL: request.model,
     }
     attrs.update((key, value) for key, value in request.parameters.items() if key.startswith("gen_ai."))
-    _add_response_attributes(attrs, request)
+    _add_response_attributes(attrs, request, summary)
     if request.error is not None:
-        attrs[A.ERROR_TYPE] = error_type(request.error)
+        attrs[A.ERROR_TYPE] = summary.error_type if summary is not None else error_type(request.error)
     if request.input_messages is not None:
         attrs[A.GEN_AI_INPUT_MESSAGES] = request.input_messages
     if request.output_messages is not None:

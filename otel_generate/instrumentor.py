@@ -151,15 +151,15 @@ def _install_module(patches: Patches, telemetry: Telemetry, name: str, rows: Tup
     """The post-import hook of ``name``: install ``rows`` (one module's rows of :data:`PATCHES`)."""
     if not telemetry.active:
         return
-    missing = [f"{r.owner.rstrip(SUBCLASSES)}.{r.attribute}" for r in rows if r.required and not _has(module, r)]
+    missing = missing_hooks(module, rows)
     if name == GENERATION:  # without the required hooks: request spans, no step spans
         if missing:
             _LOG.warning(
                 "otel_generate: this transformers has no %s; request spans only, no step spans", ", ".join(missing)
             )
-        from otel_generate.integrations import generate_loop
+        from otel_generate.integrations._routing import assisted_calls_criteria_on_candidates
 
-        telemetry.skip_candidate_calls = generate_loop.assisted_calls_criteria_on_candidates(module.GenerationMixin)
+        telemetry.skip_candidate_calls = assisted_calls_criteria_on_candidates(module.GenerationMixin)
     elif name == CONTINUOUS:  # every hook point or none
         if missing:
             _LOG.info(
@@ -181,6 +181,16 @@ def _install_module(patches: Patches, telemetry: Telemetry, name: str, rows: Tup
         elif callable(vars(owner).get(row.attribute)):
             argument = telemetry.emitter if row.when == "emitter" else telemetry
             patches.replace(owner, row.attribute, _factory(row.factory), argument)
+
+
+def missing_hooks(module: Any, rows: Optional[Tuple[Patch, ...]] = None) -> list:
+    """The required rows of :data:`PATCHES` for ``module`` (a transformers module object) that it
+    lacks, as ``"Class.method"``; empty when every required hook point is there. ``rows``: that
+    module's rows (default: every row naming ``module.__name__``). For continuous batching
+    (``continuous_api``) a non-empty answer means its requests are not traced."""
+    if rows is None:
+        rows = tuple(row for row in PATCHES if row.module == module.__name__)
+    return [f"{r.owner.rstrip(SUBCLASSES)}.{r.attribute}" for r in rows if r.required and not _has(module, r)]
 
 
 def _has(module: Any, row: Patch) -> bool:

@@ -149,15 +149,6 @@ class Telemetry:
         real = getattr(probe, "_real_instrument", probe)  # the API's proxy instrument forwards to this one
         return real is not None and not isinstance(real, metrics.NoOpHistogram)
 
-    def start_emitter(self, patches: Any) -> Any:
-        """The background emitter (created once), with the SDK providers draining it first."""
-        if self.emitter is None:
-            from otel_generate.background import BackgroundEmitter, install_drain_hooks
-
-            self.emitter = BackgroundEmitter()
-            install_drain_hooks(patches, self.emitter)
-        return self.emitter
-
     def stop_emitter(self) -> None:
         if self.emitter is not None:
             self.emitter.stop()

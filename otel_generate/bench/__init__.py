@@ -21,9 +21,9 @@
 
 The bench imports the instrumentation core: the package (``GenerateInstrumentor``,
 ``TokenLatencyProfiler``), ``otel_generate.clock``, ``.stats``, ``.tokens``, ``.options`` and
-``.version``; the core never imports the bench. One check reaches further, inside a function and
-only when a ``--continuous-batching`` run starts: the continuous-batching integration's own
-``missing_features`` (:func:`otel_generate.bench.continuous.check_supported`). Within the bench,
+``.version``, and the instrumentor's patch table (``missing_hooks``, whether continuous batching
+can be instrumented: :func:`otel_generate.bench.continuous.check_supported`); it imports no
+integration, and the core never imports the bench. Within the bench,
 imports run one way: config, models, environment, monitor, stats, plot → workload, exporters →
 common → runner, continuous, instructions (and its child process, instructions_child) → cli.
 Importing this package imports nothing else.

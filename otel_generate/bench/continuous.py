@@ -56,8 +56,8 @@ def check_supported(model: Any) -> None:
     """Raise :class:`~otel_generate.bench.config.BenchUsageError` unless this transformers' continuous
     batching can be run and instrumented.
 
-    The check is the integration's own (``missing_features``), imported here, when a
-    ``--continuous-batching`` run starts: the bench's modules import only the core at import time.
+    The check is the instrumentor's own (:func:`otel_generate.instrumentor.missing_hooks`, from its
+    patch table), the one that decides whether continuous batching is instrumented.
     """
     try:
         from transformers.generation.continuous_batching import continuous_api
@@ -65,9 +65,9 @@ def check_supported(model: Any) -> None:
         raise BenchUsageError(
             "--continuous-batching needs transformers' continuous batching (transformers 5.17 or newer)"
         ) from None
-    from otel_generate.integrations.continuous_batching import missing_features
+    from otel_generate.instrumentor import missing_hooks
 
-    missing = missing_features(continuous_api)
+    missing = missing_hooks(continuous_api)
     if missing or not callable(getattr(model, "init_continuous_batching", None)):
         raise BenchUsageError(
             "--continuous-batching: this transformers' continuous batching cannot be instrumented "

@@ -10,7 +10,7 @@ when a loop's stopping criteria are built):
 * :mod:`.step_hook`: the per-step hot path of the loop (the recording stopping criteria);
 * :mod:`.streamer`: the timing proxy of a ``generate(streamer=...)``;
 * :mod:`.loop_state`: :class:`~.loop_state.Call` (one user call) and :class:`~.loop_state.Loop`
-  (one decoding loop), state only, and the protocols of the objects other producers attach;
+  (one decoding loop): their state and small lifecycle, and the protocols of the objects other producers attach;
 * :mod:`.accounting`: a call's loops in, its :class:`~otel_generate.request.Request`'s numbers out;
 * :mod:`.generate_loop`: ``GenerationMixin.generate``'s hooks and :func:`~.generate_loop.run_request`;
 * :mod:`.overrides`: model classes' own ``generate()`` and ``custom_generate``;

@@ -58,7 +58,7 @@ class ManagerState:
     """
 
     def __init__(self, telemetry: Telemetry, manager: Any) -> None:
-        from otel_generate.integrations.generate_loop import model_name
+        from otel_generate.integrations._routing import model_name
 
         self.telemetry = telemetry
         self.lock = threading.Lock()
@@ -359,7 +359,7 @@ def end_in_flight(telemetry: Telemetry) -> None:
 
 class PagedGroup:
     """The continuous-batching requests one ``generate(..., cache_implementation="paged")`` submitted:
-    accounted into that call's request (:class:`~otel_generate.integrations.generate_loop.Loop`)."""
+    accounted into that call's request (:class:`~otel_generate.integrations.loop_state.Loop`)."""
 
     def __init__(self, loop: Any) -> None:
         self.loop = loop

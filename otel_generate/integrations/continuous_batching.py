@@ -49,7 +49,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict
 
 from opentelemetry import context as otel_context
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled
@@ -57,6 +57,7 @@ from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 from otel_generate import attributes as A
 from otel_generate import clock, emit, ranks
 from otel_generate._faults import LOGGER_NAME, Fault, log_fault_once
+from otel_generate.integrations._routing import _ACTIVE, _NESTED, strategy_of
 from otel_generate.integrations.cb_manager import (
     STATE_ATTR,
     ManagerState,
@@ -75,43 +76,19 @@ from otel_generate.integrations.cb_records import (
     eos_set,
     new_entry,
 )
+from otel_generate.integrations.loop_state import Call, Loop
 from otel_generate.telemetry import Telemetry
 
 __all__ = [
     "CHILD_SEPARATOR",
     "FINISH_REASON_CANCELLED",
-    "MODULE",
-    "REQUIRED",
     "STATE_ATTR",
     "PagedGroup",
     "end_in_flight",
-    "missing_features",
     "state_of",
 ]
 
 _LOG = logging.getLogger(LOGGER_NAME)
-
-MODULE = "transformers.generation.continuous_batching.continuous_api"
-
-#: (class, method) the hooks need; without all of them continuous batching is not instrumented.
-REQUIRED = (
-    ("ContinuousBatchingManager", "add_request"),
-    ("ContinuousBatchingManager", "cancel_request"),
-    ("ContinuousBatchingManager", "_generation_loop_body"),
-    ("OutputRouter", "deliver"),
-    ("OutputRouter", "deliver_batch"),
-)
-
-
-def missing_features(module: Any) -> List[str]:
-    """The hook points ``module`` (``continuous_api``) lacks, as ``Class.method`` (empty: all there)."""
-    missing = []
-    for cls_name, name in REQUIRED:
-        cls = getattr(module, cls_name, None)
-        if cls is None or name not in vars(cls):
-            missing.append(f"{cls_name}.{name}")
-    return missing
-
 
 # --- the paged generate() group a submission belongs to ----------------------------------------------
 
@@ -119,21 +96,19 @@ def missing_features(module: Any) -> List[str]:
 def _paged_group(manager: Any) -> Any:
     """The :class:`PagedGroup` a request submitted now belongs to; ``None`` (a request of its own);
     or ``False``: inside a step of a running ``generate()`` loop (not traced)."""
-    from otel_generate.integrations import generate_loop as G
-
-    frame = G._ACTIVE.get()
+    frame = _ACTIVE.get()
     if frame is None:
         return None
-    if frame is G._NESTED:
+    if frame is _NESTED:
         return False
     model = getattr(manager, "model", None)
-    if isinstance(frame, G.Loop):
+    if isinstance(frame, Loop):
         if frame.running:
             return False
         if frame.closed or not frame.call.owns(model):
             return None
         loop = frame
-    elif isinstance(frame, G.Call):
+    elif isinstance(frame, Call):
         if not frame.owns(model):
             return None
         loop = frame.implicit_loop(model)
@@ -148,8 +123,6 @@ def _paged_group(manager: Any) -> Any:
 
 
 def _sampling_parameters(generation_config: Any, overrides: Dict[str, Any]) -> Dict[str, Any]:
-    from otel_generate.integrations.generate_loop import strategy_of
-
     params: Dict[str, Any] = {A.GENERATE_STRATEGY: strategy_of(generation_config, None)}
     if getattr(generation_config, "do_sample", False):
         for key, name in (

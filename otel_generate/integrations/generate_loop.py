@@ -8,7 +8,7 @@ the user call returns, :func:`finish` accounts its loops (:mod:`.accounting`) in
 
 Hooks, installed by :class:`otel_generate.GenerateInstrumentor` as plain functions that the
 compiler does not trace (``torch.compiler.disable(recursive=False)``: under
-``torch.compile(model.generate)`` they still run, eagerly); :data:`HOOKS` lists them:
+``torch.compile(model.generate)`` they still run, eagerly); :data:`otel_generate.instrumentor.PATCHES` lists them:
 
 * ``GenerationMixin.generate`` (:func:`make_generate`): a request, or one loop of the request
   in progress;
@@ -39,28 +39,19 @@ from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from otel_generate import cancellation, clock, emit, figures, ranks
 from otel_generate._faults import LOGGER_NAME, Fault, log_fault_once
-from otel_generate.integrations._routing import (  # noqa: F401  (re-exported: continuous_batching, tests)
+from otel_generate.integrations._routing import (
     _ACTIVE,
     _NESTED,
     _is_tensor,
-    _sequences,
-    assisted_calls_criteria_on_candidates,
     compiler_disabled,
     current_call,
-    custom_generate_name,
     loop_for,
-    model_name,
-    strategy_of,
 )
 from otel_generate.integrations.accounting import account_call
-from otel_generate.integrations.loop_state import CALLBACK_KWARG, TRACK_KWARG, Call, Loop  # noqa: F401
-from otel_generate.integrations.streamer import _TimedStreamer  # noqa: F401  (re-exported)
+from otel_generate.integrations.loop_state import CALLBACK_KWARG, TRACK_KWARG, Call, Loop
 from otel_generate.telemetry import Telemetry
 
 _LOG = logging.getLogger(LOGGER_NAME)
-
-MODULE = "transformers.generation.utils"
-CLASS = "GenerationMixin"
 
 #: ``uninstrument()`` waits at most this long (seconds) for other threads' requests still in their
 #: set-up (their loop's hooks not reached yet) before it removes the hooks.
@@ -379,15 +370,3 @@ def make_prepare_cache_for_generation(original: Callable, telemetry: Telemetry) 
         return result
 
     return compiler_disabled(_prepare_cache_for_generation)
-
-
-#: method of ``GenerationMixin`` -> hook factory ``(original, telemetry) -> replacement``.
-HOOKS = {
-    "generate": make_generate,
-    "_prepare_generated_length": make_prepare_generated_length,
-    "_get_stopping_criteria": make_get_stopping_criteria,
-    "_get_candidate_generator": make_get_candidate_generator,
-    "_prepare_cache_for_generation": make_prepare_cache_for_generation,
-}
-#: The hooks without which there are no step spans.
-REQUIRED = ("generate", "_prepare_generated_length", "_get_stopping_criteria")

@@ -206,7 +206,7 @@ class Call(CallFrame):
         return self.open_loop(model, {}, implicit=True)
 
     def on_fault(self, kind: str, exc: BaseException) -> None:
-        if kind == "step hook":
+        if kind == Fault.STEP_HOOK:
             self.request.incomplete = True
         log_fault_once(kind, exc)
 

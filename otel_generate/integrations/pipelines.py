@@ -26,8 +26,6 @@ from typing import Any, Callable, Optional
 from otel_generate._faults import Fault, log_fault_once
 from otel_generate.telemetry import Telemetry
 
-MODULE = "transformers.pipelines.base"
-
 #: ``(model, tokenizer)`` of the pipeline whose ``forward`` is running in this context, or ``None``.
 _CURRENT: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("otel_generate_pipeline", default=None)
 

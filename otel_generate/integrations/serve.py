@@ -38,12 +38,6 @@ from otel_generate import _lifecycle
 from otel_generate._faults import Fault, log_fault_once
 from otel_generate.telemetry import Telemetry
 
-MODULE = "transformers.cli.serving.utils"
-CLASS = "InferenceThread"
-METHODS = ("submit", "async_submit")
-SERVER_MODULE = "transformers.cli.serving.server"
-SERVER_FACTORY = "build_server"
-
 
 def in_context(function: Callable, context: Any) -> Callable:
     """``function`` run under the OpenTelemetry ``context`` (attached, then detached), whatever thread calls it."""

@@ -21,7 +21,6 @@ from otel_generate.integrations._routing import active_call
 from otel_generate.integrations.loop_state import Loop
 from otel_generate.telemetry import Telemetry
 
-MODULE = "transformers.models.whisper.generation_whisper"
 #: Seconds of audio per ``seek`` frame: ``time_precision`` (0.02 s) / ``input_stride`` (2).
 SECONDS_PER_FRAME = 0.01
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks for the accelerator machine (issue 4, item 4). From the repository root:
+# GPU checks for the accelerator machine (device synchronization and step timing on CUDA). From the repository root:
 #
 #   tests/gpu/run_gpu_checks.sh            # needs CUDA; fails if torch cannot see a GPU
 #   tests/gpu/run_gpu_checks.sh --dry-run  # no GPU: the same steps on CPU with a tiny config

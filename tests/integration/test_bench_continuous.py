@@ -21,9 +21,9 @@ def _continuous_batching_available():
         from transformers.generation.continuous_batching import continuous_api
     except ImportError:
         return False
-    from otel_generate.integrations.continuous_batching import missing_features
+    from otel_generate.instrumentor import missing_hooks
 
-    return not missing_features(continuous_api)
+    return not missing_hooks(continuous_api)
 
 
 needs_cb = pytest.mark.skipif(

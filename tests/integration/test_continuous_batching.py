@@ -26,6 +26,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from otel_generate import GenerateInstrumentor
 from otel_generate import attributes as A
+from otel_generate.instrumentor import PATCHES, missing_hooks
 from tests.helpers import request_spans, step_spans
 from tests.integration.test_metrics_and_latency_apis import by_token_type, histograms
 
@@ -36,8 +37,8 @@ capi = pytest.importorskip(
 from otel_generate.integrations import cb_derive  # noqa: E402
 from otel_generate.integrations import continuous_batching as CB  # noqa: E402
 
-if CB.missing_features(capi):
-    pytest.skip(f"continuous batching without {CB.missing_features(capi)}: not instrumented", allow_module_level=True)
+if missing_hooks(capi):
+    pytest.skip(f"continuous batching without {missing_hooks(capi)}: not instrumented", allow_module_level=True)
 
 from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
 
@@ -508,12 +509,14 @@ def test_a_fault_on_the_scheduler_thread_never_stops_it(
 
 
 def test_uninstrument_removes_the_hooks(tracer_provider, span_exporter, llama):
-    originals = {(cls, name): vars(getattr(capi, cls))[name] for cls, name in CB.REQUIRED}
+    required = [(row.owner, row.attribute) for row in PATCHES if row.module == capi.__name__ and row.required]
+    assert len(required) == 5
+    originals = {(cls, name): vars(getattr(capi, cls))[name] for cls, name in required}
     instrumentor = GenerateInstrumentor()
     instrumentor.instrument(tracer_provider=tracer_provider)
-    assert all(vars(getattr(capi, cls))[name] is not originals[(cls, name)] for cls, name in CB.REQUIRED)
+    assert all(vars(getattr(capi, cls))[name] is not originals[(cls, name)] for cls, name in required)
     instrumentor.uninstrument()
-    assert all(vars(getattr(capi, cls))[name] is originals[(cls, name)] for cls, name in CB.REQUIRED)
+    assert all(vars(getattr(capi, cls))[name] is originals[(cls, name)] for cls, name in required)
     llama.generate_batch(inputs=PROMPTS, generation_config=greedy(), continuous_batching_config=small_config())
     tracer_provider.force_flush()
     assert request_spans(span_exporter) == []

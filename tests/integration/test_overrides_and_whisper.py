@@ -20,7 +20,7 @@ from tests.integration.test_semconv import histogram_points
 def test_prompt_lookup_and_use_mtp_flags_name_assisted(gpt2):
     from transformers import GenerationConfig
 
-    from otel_generate.integrations.generate_loop import strategy_of
+    from otel_generate.integrations._routing import strategy_of
 
     assert strategy_of(GenerationConfig(use_mtp=True), None) == A.STRATEGY_ASSISTED
     assert strategy_of(GenerationConfig(prompt_lookup_num_tokens=3), None) == A.STRATEGY_ASSISTED

@@ -1,4 +1,4 @@
-"""Imports run one way (issue 16, item 3): read every module of ``otel_generate/`` with ``ast`` and fail on
+"""Imports run one way: read every module of ``otel_generate/`` with ``ast`` and fail on
 any import that points up the declared layer order. No module of the package is imported here.
 
 The rule covers every import statement, wherever it is: at module level (those define the layers), inside a
@@ -56,14 +56,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
 BENCH_FORBIDDEN = ("integrations",)
 
 #: (importer, imported, reason): edges allowed although a rule above forbids them.
-ALLOWED: Tuple[Tuple[str, str, str], ...] = (
-    (
-        "bench.continuous",
-        "integrations.continuous_batching",
-        "the continuous-batching bench asks missing_features() whether this transformers' continuous batching "
-        "can be instrumented at all, to skip instead of timing an uninstrumented run as instrumented",
-    ),
-)
+ALLOWED: Tuple[Tuple[str, str, str], ...] = ()
 
 #: Import cycles tolerated while they are being removed, each with its reason (none today). The test fails on
 #: any other cycle, and on an entry here that no longer exists.

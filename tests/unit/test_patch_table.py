@@ -2,7 +2,7 @@
 
 A module's post-import hook installs exactly its rows that the module defines, with the row's factory, and
 ``Patches.restore_all()`` (``uninstrument()``) puts back every original object. The real transformers classes are
-covered in tests/test_instrumentor.py.
+covered in tests/integration/test_generate_loop.py.
 """
 
 from __future__ import annotations
