@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextvars
 import importlib
 import logging
+import sys
 import threading
 from typing import Any, Collection, NamedTuple, Optional, Tuple
 
@@ -281,13 +282,16 @@ class GenerateInstrumentor(BaseInstrumentor):
     def _uninstrument(self, **kwargs: Any) -> None:
         telemetry, patches = self._telemetry, self._patches
         if telemetry is not None:
-            from otel_generate.integrations import continuous_batching, generate_loop
-
-            continuous_batching.end_in_flight(telemetry)  # requests in flight: ended, marked incomplete
+            # a producer module never imported (no hook of it was installed) has no request in flight
+            continuous_batching = sys.modules.get("otel_generate.integrations.continuous_batching")
+            generate_loop = sys.modules.get("otel_generate.integrations.generate_loop")
+            if continuous_batching is not None:
+                continuous_batching.end_in_flight(telemetry)  # requests in flight: ended, marked incomplete
             telemetry.stop_emitter()  # what it still holds is emitted first
             telemetry.active = False  # hooks still reachable (a bound method held somewhere) only call through
             # requests of other threads already started keep their loops' hooks until their set-up is done
-            generate_loop.wait_for_setups(telemetry)
+            if generate_loop is not None:
+                generate_loop.wait_for_setups(telemetry)
         if patches is not None:
             patches.restore_all()  # exactly what the hooks of PATCHES installed
         self._telemetry = self._patches = None
