@@ -1,5 +1,5 @@
-"""The README and docs/: the README's minimal SDK example runs as written and prints its spans, every
-relative link leads somewhere, and CI runs the README's test command."""
+"""The README and docs/: every relative link leads somewhere, and CI runs the README's test commands (the
+README's minimal SDK example is run by tests/e2e/test_readme_example.py)."""
 
 from __future__ import annotations
 
