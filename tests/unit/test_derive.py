@@ -224,3 +224,18 @@ def test_the_policys_defaults_are_the_options_defaults():
     )
     with pytest.raises(ValueError):
         StepSpanPolicy(STEP_SPANS_SLOW)
+
+
+def test_response_figures_in_seconds_time_to_first_chunk_always_the_rest_with_the_steps():
+    request = make([10, 25, 43], [1, 1, 1], start=100, first_chunk_ns=130)
+    request.streamer_ns, request.queue_ns = 7, 4
+    request.candidates_proposed, request.candidates_accepted = 8, 6
+    bare = derive(request)  # an unsampled request: only what its metrics and the content event read
+    assert bare.time_to_first_chunk_s == 30 / NS
+    assert (bare.streamer_s, bare.time_in_queue_s, bare.acceptance_rate) == (None, None, None)
+    full = derive(request, steps=True)
+    assert full.time_to_first_chunk_s == 30 / NS
+    assert (full.streamer_s, full.time_in_queue_s, full.acceptance_rate) == (7 / NS, 4 / NS, 0.75)
+    request.candidates_proposed = 0  # nothing proposed: no rate, not a division by zero
+    assert derive(request, steps=True).acceptance_rate is None
+    assert derive(make([10], [1])).time_to_first_chunk_s is None
