@@ -15,12 +15,9 @@ and take (Ir(6) - Ir(2)) / 4. Needs valgrind (``callgrind_control``) on Linux.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 import sys
-import tempfile
-import time
+
+import callgrind_toggled  # noqa: E402  (benchmarks/, the script's own folder)
 
 NEW_TOKENS = 128
 
@@ -65,21 +62,12 @@ def child(config: str, n: int, folder: str) -> None:
     for _ in range(3):
         call()
     reader.get_metrics_data()
-    signal(folder, "ready")
-    wait(folder, "go")
+    callgrind_toggled.signal(folder, "ready")
+    callgrind_toggled.wait(folder, "go")
     for _ in range(n):
         call()
-    signal(folder, "done")
-    wait(folder, "stop")
-
-
-def signal(folder: str, name: str) -> None:
-    open(os.path.join(folder, name), "w").close()
-
-
-def wait(folder: str, name: str) -> None:
-    while not os.path.exists(os.path.join(folder, name)):
-        time.sleep(0.05)
+    callgrind_toggled.signal(folder, "done")
+    callgrind_toggled.wait(folder, "stop")
 
 
 def main() -> int:
@@ -89,35 +77,8 @@ def main() -> int:
     config, n = sys.argv[1], int(sys.argv[2])
     if config not in ("plain", "sampled", "unsampled"):
         raise SystemExit("CONFIG must be plain, sampled or unsampled")
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    with tempfile.TemporaryDirectory() as folder:
-        log = os.path.join(folder, "valgrind.log")
-        valgrind = subprocess.Popen(
-            [
-                "valgrind",
-                "--tool=callgrind",
-                "--instr-atstart=no",
-                f"--callgrind-out-file={os.path.join(folder, 'callgrind.out')}",
-                f"--log-file={log}",
-                sys.executable,
-                os.path.abspath(__file__),
-                "--child",
-                config,
-                str(n),
-                folder,
-            ],
-            env=env,
-        )
-        wait(folder, "ready")
-        subprocess.run(["callgrind_control", "-i", "on", str(valgrind.pid)], check=True, capture_output=True)
-        signal(folder, "go")
-        wait(folder, "done")
-        subprocess.run(["callgrind_control", "-i", "off", str(valgrind.pid)], check=True, capture_output=True)
-        signal(folder, "stop")
-        valgrind.wait()
-        with open(log, encoding="utf-8") as handle:
-            collected = re.search(r"Collected : (\d+)", handle.read())
-    print(config, n, collected.group(1) if collected else "unknown")
+    collected = callgrind_toggled.count(__file__, (config, str(n)))
+    print(config, n, collected if collected is not None else "unknown")
     return 0
 
 

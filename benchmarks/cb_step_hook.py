@@ -26,15 +26,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import re
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import types
 from typing import Any, Callable, Dict, List, Tuple
+
+import callgrind_toggled  # benchmarks/, the script's own folder
 
 from otel_generate.integrations import continuous_batching as CB
 
@@ -155,61 +153,25 @@ def timings(mode: str, batch_size: int, repeats: int, steps: int) -> Dict[str, A
 # --- instruction counts -------------------------------------------------------------------------------
 
 
-def _signal(folder: str, name: str) -> None:
-    open(os.path.join(folder, name), "w").close()
-
-
-def _wait(folder: str, name: str) -> None:
-    while not os.path.exists(os.path.join(folder, name)):
-        time.sleep(0.01)
-
-
 def _child(mode: str, batch_size: int, steps: int, folder: str) -> None:
     manager, state = _instrumented(mode, batch_size)
     for _ in range(3):
         _run(manager, 1000)
         _clear(state)
     gc.disable()
-    _signal(folder, "ready")
-    _wait(folder, "go")
+    callgrind_toggled.signal(folder, "ready")
+    callgrind_toggled.wait(folder, "go")
     _run(manager, steps)
-    _signal(folder, "done")
-    _wait(folder, "stop")
+    callgrind_toggled.signal(folder, "done")
+    callgrind_toggled.wait(folder, "stop")
 
 
 def instructions(mode: str, batch_size: int, steps: int) -> int:
     """Instructions callgrind counts over ``steps`` wrapped steps (plus the fixed cost of the toggling)."""
-    with tempfile.TemporaryDirectory() as folder:
-        log = os.path.join(folder, "valgrind.log")
-        valgrind = subprocess.Popen(
-            [
-                "valgrind",
-                "--tool=callgrind",
-                "--instr-atstart=no",
-                f"--callgrind-out-file={os.path.join(folder, 'callgrind.out')}",
-                f"--log-file={log}",
-                sys.executable,
-                os.path.abspath(__file__),
-                "--child",
-                mode,
-                str(batch_size),
-                str(steps),
-                folder,
-            ],
-            env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"),
-        )
-        _wait(folder, "ready")
-        subprocess.run(["callgrind_control", "-i", "on", str(valgrind.pid)], check=True, capture_output=True)
-        _signal(folder, "go")
-        _wait(folder, "done")
-        subprocess.run(["callgrind_control", "-i", "off", str(valgrind.pid)], check=True, capture_output=True)
-        _signal(folder, "stop")
-        valgrind.wait()
-        with open(log, encoding="utf-8") as handle:
-            collected = re.search(r"Collected : (\d+)", handle.read())
+    collected = callgrind_toggled.count(__file__, (mode, str(batch_size), str(steps)))
     if collected is None:
         raise RuntimeError("callgrind reported no instruction count")
-    return int(collected.group(1))
+    return collected
 
 
 def main() -> int:

@@ -1,0 +1,64 @@
+"""Count the instructions of one marked stretch of a child process under valgrind's callgrind.
+
+Shared by the benchmark scripts that measure a per-call or per-step cost by the difference method
+(``callgrind_per_call.py``, ``cb_step_hook.py``). The child runs under ``valgrind --tool=callgrind
+--instr-atstart=no`` (imports and set-up uninstrumented, fast), prepares, calls ``signal(folder,
+"ready")`` and waits for ``"go"``; the parent turns instrumentation on with ``callgrind_control``; the
+child runs the measured work, signals ``"done"`` and waits for ``"stop"``, after which the parent
+turns instrumentation off again and reads the count callgrind logs. BLAS and OpenMP run on one
+thread, so that idle threads do not spin.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+
+def signal(folder: str, name: str) -> None:
+    """Mark ``name`` reached (a file in ``folder``)."""
+    open(os.path.join(folder, name), "w").close()
+
+
+def wait(folder: str, name: str, poll_s: float = 0.01) -> None:
+    """Wait until the other process marked ``name``."""
+    while not os.path.exists(os.path.join(folder, name)):
+        time.sleep(poll_s)
+
+
+def count(script: str, child_args: Sequence[str]) -> Optional[int]:
+    """Run ``python script --child *child_args FOLDER`` under callgrind and return the instructions
+    counted between the child's ``"ready"``/``"go"`` and its ``"done"`` (``None`` when callgrind's
+    log names no count). Raises ``subprocess.CalledProcessError`` when ``callgrind_control`` fails."""
+    with tempfile.TemporaryDirectory() as folder:
+        log = os.path.join(folder, "valgrind.log")
+        valgrind = subprocess.Popen(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                "--instr-atstart=no",
+                f"--callgrind-out-file={os.path.join(folder, 'callgrind.out')}",
+                f"--log-file={log}",
+                sys.executable,
+                os.path.abspath(script),
+                "--child",
+                *child_args,
+                folder,
+            ],
+            env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"),
+        )
+        wait(folder, "ready")
+        subprocess.run(["callgrind_control", "-i", "on", str(valgrind.pid)], check=True, capture_output=True)
+        signal(folder, "go")
+        wait(folder, "done")
+        subprocess.run(["callgrind_control", "-i", "off", str(valgrind.pid)], check=True, capture_output=True)
+        signal(folder, "stop")
+        valgrind.wait()
+        with open(log, encoding="utf-8") as handle:
+            collected = re.search(r"Collected : (\d+)", handle.read())
+    return int(collected.group(1)) if collected else None
