@@ -1,14 +1,19 @@
-"""Many values into one SDK histogram, taken only where it gives exactly what the public API gives.
+"""Values into one SDK histogram, taken only where it gives exactly what the public API gives.
 
 A request of ``n`` one-token steps records ``n - 1`` inter-token latencies with the same
-attributes and context. Through the public API (``histogram.record(value, attributes)``) each
-value pays the SDK's whole path again: the attributes cleaned (``Measurement``), the exemplar
-filter asked, each reader's view matches looked up, the attributes copied, filtered and hashed to
-find the aggregation, then ``aggregation.aggregate(measurement, should_sample_exemplar)``.
+attributes and context, and one value into each of its other histograms, with the same
+attributes request after request. Through the public API (``histogram.record(value,
+attributes)``) each value pays the SDK's whole path again (about 80,000 instructions): the
+attributes cleaned (``Measurement``), the exemplar filter asked, each reader's view matches looked
+up, the attributes copied, filtered and hashed to find the aggregation, then
+``aggregation.aggregate(measurement, should_sample_exemplar)``.
 
-:meth:`FastHistogram.record_many` finds, once per call, the aggregation each view of each reader
-feeds for these attributes (where one does not exist yet, every value goes through the public
-API, which creates it), and hands each value straight to those ``aggregate`` methods,
+:meth:`FastHistogram.record_many` finds the aggregation each view of each reader feeds for these
+attributes once per attribute set, and remembers it for as long as the consumer's reader
+storages are the same dict (the SDK replaces that dict when a reader is added or removed, never
+changes an instrument's view matches once made and never removes an aggregation); where one does
+not exist yet, every value goes through the public API, which creates it. It hands each value
+straight to those ``aggregate`` methods,
 with a ``Measurement`` holding the same value, its own ``time_ns()``, the same instrument,
 context and cleaned attributes. The exemplar filter is asked once when it is one of the SDK's
 own (their answer depends on the context alone), else once per value. Where the exemplar
@@ -20,13 +25,14 @@ with one of the SDK's reservoirs (which read a measurement's fields and keep non
 refuse (not finite, negative) goes through the public API, which logs and drops it. Where, in
 addition, the aggregation's ``aggregate`` is exactly the SDK's code this module knows (compared
 with its source), that code's effect for all values is applied under one lock (the same sum in
-the same order, the bucket counts, min and max), then the exemplars are offered.
+the same order, the bucket counts, min and max; iterated in C: ``functools.reduce`` adds left to
+right as ``+=`` does), then the exemplars are offered (a ``Measurement`` is built only for them).
 
 That uses SDK internals, so it is taken only when they are exactly as expected
-(:meth:`FastHistogram.for_instrument`, once per ``instrument()``, and again on every call: the
-reader storages and view matches must be the SDK's own types, and every aggregation must already
-exist); otherwise, and after any fault (logged once, the fast path off for good), every value
-goes through the public API.
+(:meth:`FastHistogram.for_instrument`, once per ``instrument()``, and again for every new
+attribute set or reader storages: the reader storages and view matches must be the SDK's own
+types, and every aggregation must already exist); otherwise, and after any fault (logged once,
+the fast path off for good), every value goes through the public API.
 """
 
 from __future__ import annotations
@@ -34,13 +40,35 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from collections import Counter
+from functools import reduce
+from itertools import repeat
+from operator import add
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from otel_generate._faults import Fault, log_fault_once
 
 
 class _NotEligible(Exception):
     pass
+
+
+#: At most this many attribute sets are remembered per histogram (a request's attributes are its
+#: model, operation, provider and error type: few sets in one process).
+_CACHE_SIZE = 256
+
+
+class _Resolved(NamedTuple):
+    """Where one attribute set's values go: its cleaned attributes, ``(aggregate, boundaries)``
+    per aggregation (``boundaries``: its reservoir's when that keeps the last value offered per
+    bucket, else ``None``), the aggregations, and whether one ``Measurement`` may be reused
+    (``reuse``) and the SDK's aggregation code repeated for all values at once (``bulk``)."""
+
+    cleaned: Any
+    targets: List[Tuple[Any, Optional[Sequence[float]]]]
+    aggregations: List[Any]
+    reuse: bool
+    bulk: bool
 
 
 #: The SDK's ``_ExplicitBucketHistogramAggregation.aggregate`` (opentelemetry-sdk 1.x) that
@@ -121,9 +149,8 @@ class FastHistogram:
         self._aligned = AlignedHistogramBucketExemplarReservoir
         self._histogram_aggregation = _ExplicitBucketHistogramAggregation
         self._reservoirs = (AlignedHistogramBucketExemplarReservoir, SimpleFixedSizeExemplarReservoir)
-        self._reuse = False
-        self._bulk = False
-        self._aggregations: List[Any] = []
+        #: attribute items -> (the reader storages they were resolved against, :class:`_Resolved`)
+        self._cache: Dict[Any, Tuple[Any, _Resolved]] = {}
         self._sample_exemplar = _Aggregation._sample_exemplar  # offers to the reservoir only when told to
         self.broken = False
 
@@ -150,12 +177,14 @@ class FastHistogram:
             log_fault_once(Fault.FAST_HISTOGRAM_CHECK, fault)
             return None
 
-    def _targets(self, cleaned: Any) -> List[Tuple[Any, Optional[Sequence[float]]]]:
-        """``(aggregate, boundaries)`` of every aggregation the public path feeds for these attributes;
-        ``boundaries`` are its exemplar reservoir's when that reservoir keeps the last value offered
-        per bucket (the SDK's ``AlignedHistogramBucketExemplarReservoir``), else ``None``."""
+    def _targets(self, cleaned: Any) -> "_Resolved":
+        """Every aggregation the public path feeds for these (cleaned) attributes, and whether the
+        bulk and reuse paths may be taken for them; raises :class:`_NotEligible` where a storage or
+        view match is not the SDK's own type, or an aggregation does not exist yet."""
         histogram = self._histogram
-        targets = []
+        targets: List[Tuple[Any, Optional[Sequence[float]]]] = []
+        aggregations: List[Any] = []
+        reuse = bulk = True
         for storage in histogram._measurement_consumer._reader_storages.values():
             if type(storage) is not self._storage_type:
                 raise _NotEligible
@@ -174,50 +203,73 @@ class FastHistogram:
                 if type(reservoir) is self._aligned and type(aggregation)._sample_exemplar is self._sample_exemplar:
                     boundaries = list(reservoir._boundaries)
                 if type(aggregation) is not self._histogram_aggregation or type(reservoir) not in self._reservoirs:
-                    self._reuse = False
+                    reuse = False
                 elif not _aggregates_as_expected(type(aggregation)):
-                    self._bulk = False
+                    bulk = False
                 targets.append((aggregation.aggregate, boundaries))
-                self._aggregations.append(aggregation)
-        return targets
+                aggregations.append(aggregation)
+        return _Resolved(cleaned, targets, aggregations, reuse, reuse and bulk)
+
+    def _resolve(self, attributes: Any) -> "_Resolved":
+        """:meth:`_targets` of ``attributes``, from the cache when they were resolved before.
+
+        Valid for as long as the consumer's reader storages are the same dict: the SDK replaces
+        that dict (never mutates it) when a reader is added or removed, an instrument's view
+        matches never change once made, and an aggregation is never removed from its match."""
+        storages = self._histogram._measurement_consumer._reader_storages
+        try:
+            key: Any = tuple(attributes.items()) if attributes else ()
+            cached = self._cache.get(key)
+        except TypeError:  # an unhashable attribute value: resolved every time
+            key = cached = None
+        if cached is not None and cached[0] is storages:
+            return cached[1]
+        resolved = self._targets(self._clean(attributes, None) if attributes is not None else None)
+        if key is not None and len(self._cache) < _CACHE_SIZE:
+            self._cache[key] = (storages, resolved)
+        return resolved
 
     def _aggregate_all(
-        self, values: List[float], low: float, cleaned: Any, context: Any, should_sample: Any, targets: List[Any]
+        self, values: List[float], low: float, context: Any, should_sample: Any, resolved: "_Resolved"
     ) -> None:
         """What ``aggregate()`` does per value (the SDK's own code, checked by
         :func:`_aggregates_as_expected`), for all values under one lock: the same sum in the same
         order, the bucket counts, min and max; then the exemplars, each bucket's last value where
         the reservoir keeps only that."""
         time_ns, setfield = time.time_ns, object.__setattr__
-        now = time_ns()
-        sample = should_sample(values[0], now, cleaned, context)  # the filter answers from the context alone
-        high = max(values)
-        m = self._measurement(values[0], now, self._histogram, context, None)
-        setfield(m, "attributes", cleaned)
+        cleaned = resolved.cleaned
+        sample = should_sample(values[0], time_ns(), cleaned, context)  # the filter answers from the context alone
+        high = max(values) if len(values) > 1 else low
+        m = None
         bisect_left = bisect.bisect_left
-        for aggregation, (_, boundaries) in zip(self._aggregations, targets):
+        for aggregation, (_, boundaries) in zip(resolved.aggregations, resolved.targets):
             same = sample and boundaries is not None and boundaries == list(aggregation._boundaries)
             last: Dict[int, int] = {}
             with aggregation._lock:
                 if aggregation._value is None:
                     aggregation._value = aggregation._get_empty_bucket_counts()
                 total, counts, bounds = aggregation._sum, aggregation._value, aggregation._boundaries
-                if same:
-                    for position, value in enumerate(values):
-                        total += value
-                        index = bisect_left(bounds, value)
-                        counts[index] += 1
-                        last[index] = position
-                else:
-                    for value in values:
-                        total += value
-                        counts[bisect_left(bounds, value)] += 1
+                if len(values) == 1:
+                    index = bisect_left(bounds, low)
+                    total += low
+                    counts[index] += 1
+                    last[index] = 0
+                else:  # iterated in C: the same sum in the same order (left to right), the same buckets
+                    total = reduce(add, values, total)
+                    indices = list(map(bisect_left, repeat(bounds), values))
+                    for index, hits in Counter(indices).items():
+                        counts[index] += hits
+                    if same:
+                        last = dict(zip(indices, range(len(values))))  # each bucket's last position
                 aggregation._sum = total
                 if aggregation._record_min_max:
                     aggregation._min = min(aggregation._min, low)
                     aggregation._max = max(aggregation._max, high)
             if not sample:
                 continue
+            if m is None:  # only an exemplar reads a measurement
+                m = self._measurement(values[0], time_ns(), self._histogram, context, None)
+                setfield(m, "attributes", cleaned)
             if boundaries is None:  # a reservoir that may keep any value: every value offered, in order
                 positions: Iterable[int] = range(len(values))
             else:
@@ -233,38 +285,34 @@ class FastHistogram:
     def record_many(self, values: Iterable[float], attributes: Any) -> None:
         """``histogram.record(value, attributes)`` for every value, in order, in the current context."""
         record = self._histogram.record
-        rest = list(values)
+        rest = values if type(values) is list else list(values)
         if not rest:
             return
-        targets = None
-        if rest and not self.broken and self._histogram._is_enabled():
+        resolved = None
+        if not self.broken and self._histogram._is_enabled():
             try:
-                cleaned = self._clean(attributes, None) if attributes is not None else None
-                self._reuse = self._bulk = True
-                self._aggregations = []
-                targets = self._targets(cleaned)
-                reuse = self._reuse
-                bulk = reuse and self._bulk
+                resolved = self._resolve(attributes)
                 context = self._get_current()
                 exemplar_filter = self._histogram._measurement_consumer._sdk_config.exemplar_filter
                 once = type(exemplar_filter) in self._context_filters
             except _NotEligible:
-                targets = None
+                resolved = None
             except Exception as fault:
                 self.broken = True
                 log_fault_once(Fault.FAST_HISTOGRAM, fault)
-                targets = None
-        if targets is None:
+                resolved = None
+        if resolved is None:
             for value in rest:  # the public path (which creates the aggregations the next call finds)
                 record(value, attributes)
             return
         histogram, measurement, time_ns, isfinite = self._histogram, self._measurement, time.time_ns, math.isfinite
         should_sample = exemplar_filter.should_sample
         setfield = object.__setattr__
-        if bulk and once:
+        cleaned, targets, reuse = resolved.cleaned, resolved.targets, resolved.reuse
+        if resolved.bulk and once:
             low = min(rest)
             if low >= 0 and isfinite(math.fsum(rest)):  # every value finite and >= 0 (NaN fails fsum)
-                self._aggregate_all(rest, low, cleaned, context, should_sample, targets)
+                self._aggregate_all(rest, low, context, should_sample, resolved)
                 return
         accepted = [isfinite(value) and value >= 0 for value in rest]
         # A reservoir that keeps the last value offered per bucket ends up holding the same exemplars

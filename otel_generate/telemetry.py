@@ -75,7 +75,7 @@ class Telemetry:
         fast: builds step spans directly where that is exactly what the public API gives
             (:mod:`otel_generate.fast_spans`), else ``None``.
         fast_histograms: metric name -> :class:`~otel_generate.fast_metrics.FastHistogram` or
-            ``None`` (the inter-token latency histogram only: one value costs less the public way).
+            ``None`` (an instrument that is not the SDK's own histogram), for every instrument.
     """
 
     def __init__(
@@ -114,8 +114,7 @@ class Telemetry:
         from otel_generate.fast_spans import FastStepSpans
 
         self.fast = FastStepSpans.for_tracer(tracer)
-        itl = self.instruments.get(A.METRIC_INTER_TOKEN_LATENCY)
-        self.fast_histograms = {A.METRIC_INTER_TOKEN_LATENCY: FastHistogram.for_instrument(itl)} if itl else {}
+        self.fast_histograms = {name: FastHistogram.for_instrument(h) for name, h in self.instruments.items()}
 
     @classmethod
     def from_options(cls, options: Options, profilers: Callable[[], Sequence[Any]] = _no_profilers) -> "Telemetry":

@@ -149,6 +149,7 @@ def test_the_installed_sdk_aggregation_is_the_code_the_bulk_path_repeats():
         ([1] * 6, None, 1),  # the common case: computed at once
         ([1, 1, 2, 1, 0, 1], None, 1),  # assisted decoding: several tokens, or none, per step
         ([1] * 6, [5, 16, 30, 47, 51, 70], 1),  # explicit starts (continuous batching)
+        ([1] * 6, [0, 10, 25, 43, 60, 66], 1),  # explicit starts, back to back (generate()): at once
         ([1] * 6, None, 2),  # two prefill steps
     ],
 )
@@ -168,3 +169,70 @@ def test_inter_token_latencies_in_seconds_are_those_of_the_generator(tokens, sta
     assert summary.inter_token_latencies_s == expected
     if tokens == [1] * 6 and starts is None and prefill_steps == 1:
         assert expected == [g / 1e9 for g in (15, 18, 17, 6, 15)]
+
+
+def _count_resolutions(monkeypatch, fast):
+    resolved = {"count": 0}
+    targets = fast._targets
+
+    def counting(cleaned):
+        resolved["count"] += 1
+        return targets(cleaned)
+
+    monkeypatch.setattr(fast, "_targets", counting)
+    return resolved
+
+
+def test_later_calls_with_the_same_attributes_reuse_what_was_resolved(monkeypatch):
+    histogram, (reader,) = _histogram()
+    public, (public_reader,) = _histogram()
+    fast = FastHistogram.for_instrument(histogram)
+    resolved = _count_resolutions(monkeypatch, fast)
+    for round_ in range(5):
+        values = [0.002 * (round_ + 1), 0.03]
+        for value in values:
+            public.record(value, ATTRS)
+        fast.record_many(values, dict(ATTRS))  # an equal dict, built anew as the emitter does
+    # the first call finds no aggregation and goes the public way (which creates it); the second
+    # resolves it, and every later one reuses that
+    assert resolved["count"] == 2
+    assert _points(reader) == _points(public_reader) and _points(reader)[0][2] == 10
+
+
+def test_new_reader_storages_are_resolved_again(monkeypatch):
+    histogram, (reader,) = _histogram()
+    fast = FastHistogram.for_instrument(histogram)
+    resolved = _count_resolutions(monkeypatch, fast)
+    fast.record_many([0.002], ATTRS)
+    fast.record_many([0.002], ATTRS)
+    consumer = histogram._measurement_consumer
+    consumer._reader_storages = dict(consumer._reader_storages)  # what adding or removing a reader does
+    fast.record_many([0.002], ATTRS)
+    assert resolved["count"] == 3 and _points(reader)[0][2] == 3  # (the first found no aggregation)
+
+
+def test_threads_with_different_attributes_each_get_their_own_values():
+    import threading
+
+    histogram, (reader,) = _histogram()
+    fast = FastHistogram.for_instrument(histogram)
+    models = [f"model-{n}" for n in range(4)]
+    for model in models:  # create every aggregation, as a first request does
+        fast.record_many([0.5], {**ATTRS, "gen_ai.request.model": model})
+    start = threading.Barrier(len(models))
+
+    def requests(model, value):
+        start.wait()
+        for _ in range(200):
+            fast.record_many([value, value], {**ATTRS, "gen_ai.request.model": model})
+
+    threads = [threading.Thread(target=requests, args=(m, 0.001 * (n + 1))) for n, m in enumerate(models)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    points = {p[1]["gen_ai.request.model"]: p for p in _points(reader)}
+    for n, model in enumerate(models):
+        name, _, count, total, low, high, *_ = points[model]
+        assert count == 401 and low == 0.001 * (n + 1) and high == 0.5
+        assert total == pytest.approx(0.5 + 400 * 0.001 * (n + 1))
