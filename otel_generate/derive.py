@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from itertools import repeat
 from typing import AbstractSet, Iterator, List, Optional, Sequence
 
 from otel_generate import clock
@@ -149,7 +150,7 @@ def derive(
     if steps or spans:
         starts = summary.step_starts_ns = step_starts_ns(request)
         latencies_ns = summary.step_latencies_ns = list(map(operator.sub, ends, starts))
-        summary.step_latencies_s = [latency / per_second for latency in latencies_ns]
+        summary.step_latencies_s = list(map(operator.truediv, latencies_ns, repeat(per_second)))
         summary.step_ends_ns = ends
         summary.steps_unseen = request.unobserved is not None or (request.uninstrumented and not latencies_ns)
         if request.streamer_ns is not None:
@@ -221,22 +222,33 @@ def inter_token_latencies_s(
 ) -> List[float]:
     """:func:`inter_token_latencies_ns` in seconds, as a list. The common case (one token per step,
     only the first step a prefill, steps back to back) is every step's latency after the first:
-    taken from ``step_latencies_s`` when given, else computed at once, to the same values."""
+    taken from ``step_latencies_s`` when given, else computed at once, to the same values (the
+    producer's explicit starts, when it gave them, must then be the previous steps' ends)."""
     ends, tokens = request.step_ends_ns, request.step_tokens
     if prefill is None:
         prefill = prefill_indices(request)
     count = len(tokens)
-    if request.step_starts_ns is None and 1 < count <= len(ends) and min(tokens) == 1 == max(tokens) and prefill <= {0}:
+    starts = request.step_starts_ns
+    if (
+        1 < count <= len(ends)
+        and min(tokens) == 1 == max(tokens)
+        and prefill <= {0}
+        and (starts is None or starts[1:count] == ends[: count - 1])  # steps back to back
+    ):
         if step_latencies_s is not None:
             return step_latencies_s[1:count]  # type: ignore[return-value]  (a list's slice)
         per_second = clock.NS_PER_S
-        return [float(gap) / per_second for gap in map(operator.sub, ends[1:count], ends[: count - 1])]
+        # (C-level iteration: the same int / float division, exactly, for every gap)
+        return list(map(operator.truediv, map(operator.sub, ends[1:count], ends[: count - 1]), repeat(per_second)))
     return [gap / clock.NS_PER_S for gap in inter_token_latencies_ns(request, prefill)]
 
 
 def outliers(latencies_ns: Sequence[int], prefill: AbstractSet[int], factor: float) -> frozenset:
     """Indices of the decode steps slower than ``factor`` times the median decode step."""
-    decode = [latency for index, latency in enumerate(latencies_ns) if index not in prefill]
+    if prefill <= {0}:  # the common case: only the first step is a prefill
+        decode = list(latencies_ns[1:] if 0 in prefill else latencies_ns)
+    else:
+        decode = [latency for index, latency in enumerate(latencies_ns) if index not in prefill]
     if len(decode) < 3:
         return frozenset()
     ordered = sorted(decode)

@@ -89,7 +89,8 @@ def finish(
 
     Returns:
         The :class:`GenerationRecord` given to profilers and callers; ``None`` when no one reads
-        it (see above) or building it failed (the fault is logged once; the span still ends).
+        it (no profiler and ``need_record`` false) or building it failed (the fault is logged
+        once; the span still ends).
     """
     _lifecycle.recorded = True  # this process has telemetry of its own to flush at exit
     record = None
@@ -112,7 +113,7 @@ def finish(
             summary = None
     if detailed and summary is not None:
         try:
-            record = _annotate(telemetry, span, request, summary, yield_every)
+            record = _annotate(telemetry, span, request, summary, yield_every, bool(profilers) or need_record)
         except Exception as fault:
             request.incomplete = True
             log_fault_once(Fault.REQUEST_ACCOUNTING, fault)
@@ -144,10 +145,11 @@ def finish(
 
 
 def _annotate(
-    telemetry: Telemetry, span: Any, request: Request, summary: Summary, yield_every: int = 0
-) -> GenerationRecord:
+    telemetry: Telemetry, span: Any, request: Request, summary: Summary, yield_every: int = 0, record: bool = True
+) -> Optional[GenerationRecord]:
     """Set the request attributes and build the step spans (a recording span); return the record
-    for the APIs. Reads the figures from ``summary`` only."""
+    for the APIs when ``record`` (a profiler or the caller reads it), else ``None``. Reads the
+    figures from ``summary`` only."""
     latencies_s = summary.step_latencies_s
     if span.is_recording():
         attrs: Dict[str, Any] = dict(request.parameters)
@@ -206,6 +208,8 @@ def _annotate(
             attrs[A.GENERATE_STEP_SPANS_DROPPED] = len(summary.step_latencies_ns) - summary.step_spans
         span.set_attributes(attrs)
         _emit_steps(telemetry, span, request, summary, yield_every)
+    if not record:
+        return None
     return GenerationRecord(
         model=request.model,
         strategy=request.parameters.get(A.GENERATE_STRATEGY),
