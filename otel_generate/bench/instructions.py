@@ -30,7 +30,9 @@ divided by the decode steps of a call (the new tokens of the longest row: greedy
 one token per step). Added is instrumented minus plain, also as a share of plain.
 
 BLAS and OpenMP are kept to one thread (``OPENBLAS_NUM_THREADS=1``, ``OMP_NUM_THREADS=1``,
-``MKL_NUM_THREADS=1``, ``torch.set_num_threads(--threads)``), so that no idle thread spins.
+``MKL_NUM_THREADS=1``, ``torch.set_num_threads(--threads)``), so that no idle thread spins, and
+string hashing is fixed (``PYTHONHASHSEED=0``), so that dict and set layouts are the same in every
+run.
 
 Instructions are not time: a cache miss or a branch misprediction costs more than an add, and
 valgrind runs the program about 50 times slower, one thread at a time. The counts say how much
@@ -99,6 +101,10 @@ VALGRIND_MISSING = (
     "--instructions needs valgrind (its callgrind tool) on PATH; install it, e.g. apt-get install valgrind"
 )
 SINGLE_THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+#: String hashing fixed, so that dict and set layouts (and their probe counts) are the same in
+#: every run: with a random seed, two runs of one configuration differed by up to 1 M
+#: instructions per call.
+HASH_SEED_ENV = {"PYTHONHASHSEED": "0"}
 
 
 def parse_configurations(text: Optional[str]) -> List[str]:
@@ -225,6 +231,7 @@ def run(config: BenchConfig) -> Dict[str, Any]:
         ]
         env = dict(os.environ)
         env.update(SINGLE_THREAD_ENV)
+        env.update(HASH_SEED_ENV)
         print(
             f"otel-generate bench --instructions: {len(names)} configuration(s) under callgrind, "
             f"{config.calls_low} and {config.calls_high} calls each; this takes minutes",
@@ -300,7 +307,7 @@ def result_document(
             f"callgrind dump of its own (os.getloadavg() marks the borders, --dump-before={MARKER}); "
             "instructions per call = (Ir(high) - Ir(low)) / (calls_high - calls_low), Ir summed over all threads"
         ),
-        "environment": dict(SINGLE_THREAD_ENV, torch_threads=config.threads),
+        "environment": dict(SINGLE_THREAD_ENV, **HASH_SEED_ENV, torch_threads=config.threads),
         "machine": machine("cpu"),
         "model": child["model"],
         "parameters": child["parameters"],
