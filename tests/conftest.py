@@ -64,11 +64,12 @@ def instrument():
 
 @pytest.fixture
 def count_recorders(monkeypatch):
-    """Count StepRecorder constructions ("init") and step hook calls ("call")."""
+    """Count StepRecorder constructions ("init") and step hook calls ("call": the recording criteria
+    list's calls, which record a step themselves or through their recorder)."""
     calls = {"init": 0, "call": 0}
     from otel_generate.integrations import step_hook as _recorder
 
-    init, call = _recorder.StepRecorder.__init__, _recorder.StepRecorder.__call__
+    init, call = _recorder.StepRecorder.__init__, _recorder.RecordingCriteriaList.__call__
 
     def counting_init(self, *a, **k):
         calls["init"] += 1
@@ -79,7 +80,7 @@ def count_recorders(monkeypatch):
         return call(self, *a, **k)
 
     monkeypatch.setattr(_recorder.StepRecorder, "__init__", counting_init)
-    monkeypatch.setattr(_recorder.StepRecorder, "__call__", counting_call)
+    monkeypatch.setattr(_recorder.RecordingCriteriaList, "__call__", counting_call)
     return calls
 
 

@@ -324,7 +324,7 @@ class Loop(LoopFrame):
 
     def recording_criteria(self, criteria: Any, generation_config: Any) -> Any:
         """``_get_stopping_criteria``'s list, as a :class:`RecordingCriteriaList` feeding this loop."""
-        from otel_generate.integrations.step_hook import RecordingCriteriaList, StepRecorder
+        from otel_generate.integrations.step_hook import RecordingCriteriaList, StepRecorder, rows_may_end_apart
 
         if self.generation_config is None:
             self.generation_config = generation_config
@@ -338,8 +338,9 @@ class Loop(LoopFrame):
             call.on_fault,
             call.callback,
             skip_candidate_calls=call.telemetry.skip_candidate_calls and strategy == A.STRATEGY_ASSISTED,
-            # one is_done row per returned sequence (not beam search's flattened candidates)
-            keep_done=strategy in ROW_ALIGNED,
+            # one is_done row per returned sequence (not beam search's flattened candidates), when
+            # a row may stop before the others
+            keep_done=strategy in ROW_ALIGNED and rows_may_end_apart(criteria),
             token_offset=sum(sum(loop.step_tokens or _tokens_so_far(loop)) for loop in call.loops if loop is not self),
         )
         self.criteria = RecordingCriteriaList(criteria, self.recorder)

@@ -7,17 +7,31 @@ new token(s) were appended (``GenerationMixin._sample``, ``_beam_search``,
 replaced by a :class:`RecordingCriteriaList` (same criteria, same result) whose call, after the
 criteria ran, hands ``input_ids`` and the per-row ``is_done`` tensor to a :class:`StepRecorder`:
 it waits for the device (when a synchronize function is given), reads the monotonic clock and
-appends. Spans are built from these numbers only after ``generate()`` returns, so the loop pays
-no span cost, and the criteria's result is never touched.
+appends. Where a step is nothing but the clock read and the two appends (no device to wait for,
+no row that may stop before the others, no callback), the list appends them itself. Spans are
+built from these numbers only after ``generate()`` returns, so the loop pays no span cost, and
+the criteria's result is never touched.
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
-from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria, StoppingCriteriaList
 
 from otel_generate._faults import Fault
+
+#: Stopping criteria that end every row at the same step (the length budget, ``max_time``).
+_ALL_ROWS_AT_ONCE = (MaxLengthCriteria, MaxTimeCriteria)
+
+
+def rows_may_end_apart(criteria) -> bool:
+    """Whether a row of the batch may be stopped before the others: some criterion in ``criteria``
+    is not one that ends every row at once (an EOS, a stop string, a user's criterion; a
+    subclass of a budget criterion counts too, its call may differ). Only then does a row's
+    stopping step need recording (:class:`StepRecorder` ``keep_done``); otherwise every row runs
+    to the last step."""
+    return any(type(criterion) not in _ALL_ROWS_AT_ONCE for criterion in criteria)
 
 
 class StepRecorder:
@@ -62,6 +76,15 @@ class StepRecorder:
         # tokens before verifying them; those calls are not step boundaries.
         self._skip_candidate_calls = skip_candidate_calls
         self._next_is_candidate = skip_candidate_calls
+
+    def plain_appends(self) -> Optional[Tuple[Callable[[int], None], Callable[[int], None], Callable[[], int]]]:
+        """``(append time, append length, clock)`` when a step is nothing but those two appends
+        (no synchronize, no ``is_done`` kept, no callback, no candidate calls to skip), else ``None``."""
+        if self._sync is not None or self._append_done is not None or self._on_step is not None:
+            return None
+        if self._skip_candidate_calls or self.fault is not None:
+            return None
+        return self._append_time, self._append_length, self._clock
 
     def __deepcopy__(self, memo):  # a copied criteria list must still feed this request
         return self
@@ -112,8 +135,21 @@ class RecordingCriteriaList(StoppingCriteriaList):
     def __init__(self, criteria, recorder: StepRecorder) -> None:
         super().__init__(criteria)
         self.recorder = recorder
+        #: the recorder's (append time, append length, clock) when a step is only those two
+        #: appends (no device to wait for, no ``is_done`` kept, no callback, no candidate calls to
+        #: skip): then this call appends them itself, the recorder's own call saved
+        self._plain = recorder.plain_appends()
 
     def __call__(self, input_ids, scores, **kwargs):
         is_done = StoppingCriteriaList.__call__(self, input_ids, scores, **kwargs)
-        self.recorder(input_ids, is_done)
+        plain = self._plain
+        if plain is None:
+            self.recorder(input_ids, is_done)
+            return is_done
+        try:
+            plain[0](plain[2]())
+            plain[1](input_ids.shape[-1])
+        except Exception as exc:  # never break generation: the recorder stops, as after its own fault
+            self._plain = None
+            self.recorder._fail(exc)
         return is_done

@@ -600,13 +600,14 @@ def test_synchronize_can_be_switched_off(span_exporter, tracer_provider, gpt2, m
     assert only_request(span_exporter).attributes[A.GENERATE_SYNCHRONIZED] is False
 
 
+@pytest.mark.parametrize("eos", [None, EOS_TOKEN_ID], ids=["list-records-itself", "recorder-keeps-is-done"])
 def test_fault_in_step_hook_is_logged_once_and_generation_goes_on(
-    instrumented, span_exporter, gpt2, monkeypatch, caplog
+    instrumented, span_exporter, gpt2, monkeypatch, caplog, eos
 ):
     from otel_generate import _faults, clock
 
     ids, mask = prompt(seed=16)
-    expected = uninstrumented_generate(gpt2, ids, attention_mask=mask, max_new_tokens=5, eos_token_id=None)
+    expected = uninstrumented_generate(gpt2, ids, attention_mask=mask, max_new_tokens=5, eos_token_id=eos)
     real = clock.monotonic_ns
     reads = {"n": 0}
 
@@ -619,13 +620,55 @@ def test_fault_in_step_hook_is_logged_once_and_generation_goes_on(
     monkeypatch.setattr(clock, "monotonic_ns", flaky_clock)
     monkeypatch.setattr(_faults, "_logged_kinds", set())
     with caplog.at_level("WARNING", logger="otel_generate"):
-        out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=None)
-        out2 = gpt2.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=None)
-    assert torch.equal(out, expected) and torch.equal(out2, expected)
+        out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=eos)
+        out2 = gpt2.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=eos)
+    assert torch.equal(out, expected) and torch.equal(out2, expected) and expected.shape[-1] == ids.shape[-1] + 5
     assert len([r for r in caplog.records if "step hook" in r.getMessage()]) == 1
     first = request_spans(span_exporter)[0]
     assert first.attributes[A.GENERATE_STEPS_INCOMPLETE] is True
     assert len(step_spans(span_exporter, first)) == 1
+
+
+def test_rows_may_end_apart_only_with_a_criterion_that_stops_rows_one_by_one():
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
+
+    from otel_generate.integrations.step_hook import rows_may_end_apart
+
+    class Budget(MaxLengthCriteria):  # a subclass may stop rows one by one
+        pass
+
+    assert not rows_may_end_apart([MaxLengthCriteria(8), MaxTimeCriteria(5.0)])
+    assert rows_may_end_apart([MaxLengthCriteria(8), EosTokenCriteria(EOS_TOKEN_ID)])
+    assert rows_may_end_apart([Budget(8)]) and rows_may_end_apart([MaxLengthCriteria(8), CountCalls()])
+
+
+def test_a_step_is_recorded_by_the_list_itself_unless_a_row_may_stop_early(
+    instrumented, span_exporter, gpt2, monkeypatch
+):
+    from otel_generate.integrations import step_hook
+
+    lists = []
+    init = step_hook.RecordingCriteriaList.__init__
+
+    def keep(self, criteria, recorder):
+        init(self, criteria, recorder)
+        lists.append(self)
+
+    monkeypatch.setattr(step_hook.RecordingCriteriaList, "__init__", keep)
+    ids, mask = prompt(seed=17, batch=2)
+    outputs = [
+        gpt2.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=eos, pad_token_id=PAD_TOKEN_ID)
+        for eos in (None, EOS_TOKEN_ID)
+    ]
+    plain, keeping = lists
+    assert plain._plain is not None and plain.recorder.done == []
+    assert keeping._plain is None and len(keeping.recorder.done) == len(keeping.recorder.lengths) > 0
+    for output, criteria, span in zip(outputs, lists, request_spans(span_exporter)):
+        steps = output.shape[-1] - ids.shape[-1]
+        assert criteria.recorder.lengths == list(range(ids.shape[-1] + 1, output.shape[-1] + 1))
+        assert len(step_spans(span_exporter, span)) == steps == span.attributes[A.GENERATE_STEPS]
+        expected = count_new_tokens(output, ids.shape[-1], EOS_TOKEN_ID if criteria is keeping else None, PAD_TOKEN_ID)
+        assert span.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] == sum(expected)
 
 
 def test_no_span_leaks_into_context_after_generate(instrumented, gpt2):
