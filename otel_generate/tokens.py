@@ -61,20 +61,19 @@ def count_new_tokens(
     total = sequences.shape[-1]
     if prompt_length < 0 or prompt_length > total:
         raise ValueError(f"prompt_length must be between 0 and {total}, got {prompt_length}")
+    eos_ids = _as_id_list(eos_token_id)
+    width = total - prompt_length
+    if not eos_ids or width == 0:  # nothing ends a row early: every row is its whole continuation
+        return [width] * int(sequences.shape[0])
     continuation = sequences[:, prompt_length:]
-    width = continuation.shape[-1]
     rows = continuation.shape[0]
     counts = torch.full((rows,), width, dtype=torch.long, device=continuation.device)
-    if width == 0:
-        return counts.tolist()
     positions = torch.arange(1, width + 1, device=continuation.device)
-    eos_ids = _as_id_list(eos_token_id)
-    if eos_ids:
-        is_eos = torch.isin(continuation, torch.tensor(eos_ids, device=continuation.device))
-        # position (1-based) of the first EOS, else width
-        first_eos = torch.where(is_eos, positions, torch.full_like(positions, width + 1)).min(dim=-1).values
-        counts = torch.minimum(counts, first_eos)
-    if eos_ids and pad_token_id is not None and int(pad_token_id) not in eos_ids:
+    is_eos = torch.isin(continuation, torch.tensor(eos_ids, device=continuation.device))
+    # position (1-based) of the first EOS, else width
+    first_eos = torch.where(is_eos, positions, torch.full_like(positions, width + 1)).min(dim=-1).values
+    counts = torch.minimum(counts, first_eos)
+    if pad_token_id is not None and int(pad_token_id) not in eos_ids:
         not_pad = continuation != int(pad_token_id)
         last_real = torch.where(not_pad, positions, torch.zeros_like(positions)).max(dim=-1).values
         counts = torch.minimum(counts, last_real)

@@ -298,7 +298,7 @@ def make_prepare_generated_length(original: Callable, telemetry: Telemetry) -> C
         if loop is not None:
             try:
                 # by name, whether generate() (keywords) or an overriding model (positional) called it
-                bound = signature.bind(*args, **kwargs).arguments
+                bound = kwargs if not args else signature.bind(*args, **kwargs).arguments
                 loop.on_generated_length(
                     result, bound.get("input_ids_length"), bound.get("inputs_tensor"), bound.get("model_input_name")
                 )
@@ -360,7 +360,8 @@ def make_prepare_cache_for_generation(original: Callable, telemetry: Telemetry) 
         loop = loop_for(self, telemetry)
         if loop is not None and loop.call.detailed:
             try:
-                model_kwargs = signature.bind(*args, **kwargs).arguments.get("model_kwargs") or {}
+                bound = kwargs if not args else signature.bind(*args, **kwargs).arguments
+                model_kwargs = bound.get("model_kwargs") or {}
                 for name in ("cache", "past_key_values", "cache_params"):
                     if model_kwargs.get(name) is not None:
                         loop.cache = model_kwargs[name]
