@@ -229,38 +229,59 @@ class FastHistogram:
             self._cache[key] = (storages, resolved)
         return resolved
 
-    def _aggregate_all(
-        self, values: List[float], low: float, context: Any, should_sample: Any, resolved: "_Resolved"
-    ) -> None:
+    def _aggregate_all(self, values: List[float], context: Any, should_sample: Any, resolved: "_Resolved") -> bool:
         """What ``aggregate()`` does per value (the SDK's own code, checked by
         :func:`_aggregates_as_expected`), for all values under one lock: the same sum in the same
         order, the bucket counts, min and max; then the exemplars, each bucket's last value where
-        the reservoir keeps only that."""
+        the reservoir keeps only that.
+
+        Returns False, having changed nothing, unless every value is finite and >= 0 (then the
+        public path logs and drops the others). Iterated in C: the values sorted once give min,
+        max and each bucket's count (the values <= a boundary, by ``bisect_right``, are those
+        ``bisect_left(boundaries, value)`` puts at or below its bucket); ``functools.reduce``
+        adds left to right, as ``+=`` per value does."""
+        ordered = sorted(values) if len(values) > 1 else values
+        low, high = ordered[0], ordered[-1]
+        if not low >= 0:  # a negative value, or NaN first
+            return False
         time_ns, setfield = time.time_ns, object.__setattr__
         cleaned = resolved.cleaned
         sample = should_sample(values[0], time_ns(), cleaned, context)  # the filter answers from the context alone
-        high = max(values) if len(values) > 1 else low
         m = None
-        bisect_left = bisect.bisect_left
+        count = len(values)
+        bisect_left, bisect_right = bisect.bisect_left, bisect.bisect_right
+        checked = False
         for aggregation, (_, boundaries) in zip(resolved.aggregations, resolved.targets):
             same = sample and boundaries is not None and boundaries == list(aggregation._boundaries)
             last: Dict[int, int] = {}
             with aggregation._lock:
+                total = reduce(add, values, aggregation._sum)
+                if not checked:  # a NaN or an infinity makes the sum so: then nothing is changed
+                    if not math.isfinite(total):
+                        return False
+                    checked = True
                 if aggregation._value is None:
                     aggregation._value = aggregation._get_empty_bucket_counts()
-                total, counts, bounds = aggregation._sum, aggregation._value, aggregation._boundaries
-                if len(values) == 1:
+                counts, bounds = aggregation._value, aggregation._boundaries
+                if count == 1:
                     index = bisect_left(bounds, low)
-                    total += low
                     counts[index] += 1
                     last[index] = 0
-                else:  # iterated in C: the same sum in the same order (left to right), the same buckets
-                    total = reduce(add, values, total)
+                elif same:  # each bucket's last position, for the exemplars
                     indices = list(map(bisect_left, repeat(bounds), values))
                     for index, hits in Counter(indices).items():
                         counts[index] += hits
-                    if same:
-                        last = dict(zip(indices, range(len(values))))  # each bucket's last position
+                    last = dict(zip(indices, range(count)))
+                else:
+                    below = 0  # values in the buckets so far
+                    for index, bound in enumerate(bounds):
+                        upto = bisect_right(ordered, bound)
+                        counts[index] += upto - below
+                        below = upto
+                        if below == count:
+                            break
+                    else:
+                        counts[len(bounds)] += count - below
                 aggregation._sum = total
                 if aggregation._record_min_max:
                     aggregation._min = min(aggregation._min, low)
@@ -281,6 +302,7 @@ class FastHistogram:
                 setfield(m, "value", values[position])
                 setfield(m, "time_unix_nano", time_ns())
                 aggregation._sample_exemplar(m, True)
+        return True
 
     def record_many(self, values: Iterable[float], attributes: Any) -> None:
         """``histogram.record(value, attributes)`` for every value, in order, in the current context."""
@@ -309,11 +331,8 @@ class FastHistogram:
         should_sample = exemplar_filter.should_sample
         setfield = object.__setattr__
         cleaned, targets, reuse = resolved.cleaned, resolved.targets, resolved.reuse
-        if resolved.bulk and once:
-            low = min(rest)
-            if low >= 0 and isfinite(math.fsum(rest)):  # every value finite and >= 0 (NaN fails fsum)
-                self._aggregate_all(rest, low, context, should_sample, resolved)
-                return
+        if resolved.bulk and once and self._aggregate_all(rest, context, should_sample, resolved):
+            return
         accepted = [isfinite(value) and value >= 0 for value in rest]
         # A reservoir that keeps the last value offered per bucket ends up holding the same exemplars
         # when only each bucket's last value is offered: the others would be overwritten.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from opentelemetry import trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -49,12 +51,18 @@ def _points(reader):
     return sorted(out, key=repr)
 
 
-def _both(values, attributes=ATTRS, views=(), readers=1, in_span=True):
+def _both(values, attributes=ATTRS, views=(), readers=1, in_span=True, prime=True):
+    """The same values through ``record()`` per value and through ``record_many``. ``prime``: one
+    earlier value recorded in both the public way, as an earlier request does, so that the
+    aggregations exist and ``record_many`` takes its fast path (else it goes the public way)."""
     tracer = TracerProvider().get_tracer("t")
     public, public_readers = _histogram(views, readers)
     fast_histogram, fast_readers = _histogram(views, readers)
     fast = FastHistogram.for_instrument(fast_histogram)
     assert fast is not None
+    if prime:
+        public.record(0.5, attributes)
+        fast_histogram.record(0.5, attributes)
     span = tracer.start_span("request")
     context = trace.set_span_in_context(span) if in_span else None
     from opentelemetry import context as ctx
@@ -74,7 +82,8 @@ def test_same_data_points_and_exemplars_as_the_public_path():
     public, fast, helper = _both(VALUES)
     assert public == fast and not helper.broken
     (points,) = public[0:1]
-    assert points[0][2] == len(VALUES) and points[0][6] == (10, 10, 5, 15, 0, 5)  # counts per bucket
+    # counts per bucket (the primed 0.5 in the last)
+    assert points[0][2] == len(VALUES) + 1 and points[0][6] == (10, 10, 5, 15, 0, 6)
     assert points[0][8]  # exemplars were sampled (in a sampled span) on both paths
 
 
@@ -86,20 +95,22 @@ def test_outside_a_span_no_exemplar_and_the_same_counts():
 def test_refused_values_go_through_the_public_path_and_are_dropped_the_same(caplog):
     values = [0.002, -1.0, math.inf, float("nan"), 0.03]
     public, fast, _ = _both(values)
-    assert public == fast and public[0][0][2] == 2
+    assert public == fast and public[0][0][2] == 2 + 1
 
 
 def test_views_filtering_attributes_and_two_readers():
     views = [View(instrument_name="h", attribute_keys={"k"}, aggregation=ExplicitBucketHistogramAggregation([0.01]))]
     public, fast, _ = _both(VALUES, views=views, readers=2)
-    assert public == fast and public[0][0][1] == {"k": 3} and public[0][0][6] == (25, 20)
+    assert public == fast and public[0][0][1] == {"k": 3} and public[0][0][6] == (25, 20 + 1)
 
 
 def test_no_attributes_and_empty_values():
     public, fast, _ = _both(VALUES, attributes=None)
     assert public == fast
-    public, fast, _ = _both([])
+    public, fast, _ = _both([], prime=False)
     assert public == fast == [[]]
+    public, fast, _ = _both([])
+    assert public == fast and public[0][0][2] == 1
 
 
 def test_not_taken_for_anything_but_the_sdk_histogram():
@@ -125,7 +136,7 @@ def test_a_fault_turns_it_off_and_every_value_still_arrives(monkeypatch):
 @pytest.mark.parametrize("count", [1, 2, 127])
 def test_counts(count):
     public, fast, _ = _both([0.003] * count)
-    assert public == fast and public[0][0][2] == count
+    assert public == fast and public[0][0][2] == count + 1
 
 
 def test_the_installed_sdk_aggregation_is_the_code_the_bulk_path_repeats():
@@ -236,3 +247,23 @@ def test_threads_with_different_attributes_each_get_their_own_values():
         name, _, count, total, low, high, *_ = points[model]
         assert count == 401 and low == 0.001 * (n + 1) and high == 0.5
         assert total == pytest.approx(0.5 + 400 * 0.001 * (n + 1))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    values=st.lists(
+        st.one_of(
+            st.floats(min_value=0, max_value=0.2, allow_nan=False),
+            st.sampled_from([0.0, 0.001, 0.005, 0.01, 0.05, 0.1]),  # on a boundary: bisect_left's side
+            st.integers(min_value=0, max_value=3),
+        ),
+        max_size=60,
+    ),
+    refused=st.lists(st.sampled_from([-1.0, math.inf, float("nan")]), max_size=2),
+    at=st.integers(min_value=0, max_value=60),
+    in_span=st.booleans(),
+)
+def test_any_values_give_what_the_public_path_gives(values, refused, at, in_span):
+    values = values[:at] + refused + values[at:]
+    public, fast, helper = _both(values, in_span=in_span)
+    assert public == fast and not helper.broken
