@@ -6,7 +6,7 @@ Shared by the benchmark scripts that measure a per-call or per-step cost by the 
 "ready")`` and waits for ``"go"``; the parent turns instrumentation on with ``callgrind_control``; the
 child runs the measured work, signals ``"done"`` and waits for ``"stop"``, after which the parent
 turns instrumentation off again and reads the count callgrind logs. BLAS and OpenMP run on one
-thread, so that idle threads do not spin.
+thread, so that idle threads do not spin, and string hashing is fixed (``PYTHONHASHSEED=0``).
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ def wait(folder: str, name: str, poll_s: float = 0.01) -> None:
         time.sleep(poll_s)
 
 
-def count(script: str, child_args: Sequence[str]) -> Optional[int]:
+def count(script: str, child_args: Sequence[str], valgrind_args: Sequence[str] = ()) -> Optional[int]:
     """Run ``python script --child *child_args FOLDER`` under callgrind and return the instructions
     counted between the child's ``"ready"``/``"go"`` and its ``"done"`` (``None`` when callgrind's
-    log names no count). Raises ``subprocess.CalledProcessError`` when ``callgrind_control`` fails."""
+    log names no count); ``valgrind_args`` are added to callgrind's options (``--toggle-collect``).
+    Raises ``subprocess.CalledProcessError`` when ``callgrind_control`` fails."""
     with tempfile.TemporaryDirectory() as folder:
         log = os.path.join(folder, "valgrind.log")
         valgrind = subprocess.Popen(
@@ -44,13 +45,14 @@ def count(script: str, child_args: Sequence[str]) -> Optional[int]:
                 "--instr-atstart=no",
                 f"--callgrind-out-file={os.path.join(folder, 'callgrind.out')}",
                 f"--log-file={log}",
+                *valgrind_args,
                 sys.executable,
                 os.path.abspath(script),
                 "--child",
                 *child_args,
                 folder,
             ],
-            env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"),
+            env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0"),
         )
         wait(folder, "ready")
         subprocess.run(["callgrind_control", "-i", "on", str(valgrind.pid)], check=True, capture_output=True)
