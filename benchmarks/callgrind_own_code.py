@@ -20,14 +20,17 @@ work the instrumentation causes outside its hooks (``force_flush``'s export on t
 thread, allocator and garbage-collector effects on the model's own code), which the difference
 method of ``otel-generate bench --instructions`` includes, with its run-to-run spread.
 
-The hooks' toggles are set up after 3 warm-up calls; then N calls are counted and the count per
-call printed. The count does not depend on other processes, nor much on N (no process start or
-set-up is in it). Needs valgrind (``callgrind_control``) on Linux.
+After 3 warm-up calls, ``gc.collect()`` and ``gc.disable()`` (a collection's cost would land in
+whichever code allocates when its threshold is crossed, in or out of the hooks, differently in
+every process); then N calls are counted and the count per call printed. The count does not
+depend on other processes, nor much on N (no process start or set-up is in it). Needs valgrind
+(``callgrind_control``) on Linux.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import operator
 import sys
 from itertools import starmap
@@ -116,6 +119,8 @@ def child(config: str, n: int, folder: str) -> None:
 
     for _ in range(3):
         call()
+    gc.collect()
+    gc.disable()  # a collection would land in whichever code allocates when the threshold is crossed
     callgrind_toggled.signal(folder, "ready")
     callgrind_toggled.wait(folder, "go")
     for _ in range(n):
