@@ -56,6 +56,7 @@ class _NotEligible(Exception):
 #: At most this many attribute sets are remembered per histogram (a request's attributes are its
 #: model, operation, provider and error type: few sets in one process).
 _CACHE_SIZE = 256
+_SCALARS = frozenset((str, bool, int, float))
 
 
 class _Resolved(NamedTuple):
@@ -69,6 +70,9 @@ class _Resolved(NamedTuple):
     aggregations: List[Any]
     reuse: bool
     bulk: bool
+    #: ``(view instrument match, its key of these attributes)`` per aggregation: a remembered
+    #: resolution holds while each match still maps that key to that aggregation
+    places: List[Tuple[Any, Any]]
 
 
 #: The SDK's ``_ExplicitBucketHistogramAggregation.aggregate`` (opentelemetry-sdk 1.x) that
@@ -184,6 +188,7 @@ class FastHistogram:
         histogram = self._histogram
         targets: List[Tuple[Any, Optional[Sequence[float]]]] = []
         aggregations: List[Any] = []
+        places: List[Tuple[Any, Any]] = []
         reuse = bulk = True
         for storage in histogram._measurement_consumer._reader_storages.values():
             if type(storage) is not self._storage_type:
@@ -195,9 +200,11 @@ class FastHistogram:
                 keys = match._view._attribute_keys
                 if keys is not None:
                     attributes = {k: v for k, v in attributes.items() if k in keys}
-                aggregation = match._attributes_aggregation.get(self._hash(attributes))
+                place = self._hash(attributes)
+                aggregation = match._attributes_aggregation.get(place)
                 if aggregation is None:
                     raise _NotEligible
+                places.append((match, place))
                 reservoir = getattr(aggregation, "_reservoir", None)
                 boundaries = None
                 if type(reservoir) is self._aligned and type(aggregation)._sample_exemplar is self._sample_exemplar:
@@ -208,24 +215,37 @@ class FastHistogram:
                     bulk = False
                 targets.append((aggregation.aggregate, boundaries))
                 aggregations.append(aggregation)
-        return _Resolved(cleaned, targets, aggregations, reuse, reuse and bulk)
+        return _Resolved(cleaned, targets, aggregations, reuse, reuse and bulk, places)
 
     def _resolve(self, attributes: Any) -> "_Resolved":
         """:meth:`_targets` of ``attributes``, from the cache when they were resolved before.
 
-        Valid for as long as the consumer's reader storages are the same dict: the SDK replaces
-        that dict (never mutates it) when a reader is added or removed, an instrument's view
-        matches never change once made, and an aggregation is never removed from its match."""
+        A remembered resolution is used while the consumer's reader storages are the same dict
+        (the SDK replaces that dict when a reader is added or removed; an instrument's view
+        matches never change once made) and each view match still maps the attributes' key to
+        the same aggregation (a forked child's reset, :func:`otel_generate._lifecycle.forget_inherited_metrics`,
+        clears them). Attribute sets whose values are not all ``str``, ``bool``, ``int`` or
+        ``float`` are resolved every time: the cache key holds each value's type, as the SDK's
+        key does (``True``, ``1`` and ``1.0`` are different series there, equal in a tuple)."""
         storages = self._histogram._measurement_consumer._reader_storages
-        try:
-            key: Any = tuple(attributes.items()) if attributes else ()
-            cached = self._cache.get(key)
-        except TypeError:  # an unhashable attribute value: resolved every time
-            key = cached = None
+        key: Any = None
+        if attributes:
+            values = tuple(attributes.values())
+            types = tuple(map(type, values))
+            if _SCALARS.issuperset(types):
+                key = (tuple(attributes), types, values)
+        else:  # None or empty: kept apart (a measurement carries them as given)
+            key = (attributes is None,)
+        cached = self._cache.get(key) if key is not None else None
         if cached is not None and cached[0] is storages:
-            return cached[1]
+            resolved = cached[1]
+            for (match, place), aggregation in zip(resolved.places, resolved.aggregations):
+                if match._attributes_aggregation.get(place) is not aggregation:
+                    break
+            else:
+                return resolved
         resolved = self._targets(self._clean(attributes, None) if attributes is not None else None)
-        if key is not None and len(self._cache) < _CACHE_SIZE:
+        if key is not None and (key in self._cache or len(self._cache) < _CACHE_SIZE):
             self._cache[key] = (storages, resolved)
         return resolved
 
@@ -241,12 +261,19 @@ class FastHistogram:
         ``bisect_left(boundaries, value)`` puts at or below its bucket); ``functools.reduce``
         adds left to right, as ``+=`` per value does."""
         ordered = sorted(values) if len(values) > 1 else values
-        low, high = ordered[0], ordered[-1]
+        # min and max per value keep the first of equal values (1 and 1.0, -0.0 and 0.0): the
+        # sort is stable, so that is the first of its run in the sorted order
+        low = ordered[0]
         if not low >= 0:  # a negative value, or NaN first
             return False
+        high = ordered[bisect.bisect_left(ordered, ordered[-1])]
         time_ns, setfield = time.time_ns, object.__setattr__
         cleaned = resolved.cleaned
         sample = should_sample(values[0], time_ns(), cleaned, context)  # the filter answers from the context alone
+        if sample and len(resolved.targets) > 1 and any(boundaries is None for _, boundaries in resolved.targets):
+            # a reservoir that may keep any value draws random numbers: the public path offers each
+            # value to every aggregation in turn, and so does the per-value path
+            return False
         m = None
         count = len(values)
         bisect_left, bisect_right = bisect.bisect_left, bisect.bisect_right

@@ -142,14 +142,14 @@ class RecordingCriteriaList(StoppingCriteriaList):
 
     def __call__(self, input_ids, scores, **kwargs):
         is_done = StoppingCriteriaList.__call__(self, input_ids, scores, **kwargs)
-        plain = self._plain
-        if plain is None:
-            self.recorder(input_ids, is_done)
+        plain, recorder = self._plain, self.recorder
+        if plain is None or recorder.fault is not None:  # (a copy of this list may have faulted)
+            recorder(input_ids, is_done)
             return is_done
         try:
             plain[0](plain[2]())
             plain[1](input_ids.shape[-1])
         except Exception as exc:  # never break generation: the recorder stops, as after its own fault
             self._plain = None
-            self.recorder._fail(exc)
+            recorder._fail(exc)
         return is_done

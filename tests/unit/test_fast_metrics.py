@@ -267,3 +267,70 @@ def test_any_values_give_what_the_public_path_gives(values, refused, at, in_span
     values = values[:at] + refused + values[at:]
     public, fast, helper = _both(values, in_span=in_span)
     assert public == fast and not helper.broken
+
+
+def test_true_one_and_one_point_zero_are_three_series_as_in_the_sdk():
+    histogram, (reader,) = _histogram()
+    public, (public_reader,) = _histogram()
+    fast = FastHistogram.for_instrument(histogram)
+    for _ in range(3):  # the first creates each aggregation, the later ones are remembered
+        for value in (1, True, 1.0):
+            public.record(0.002, {"k": value})
+            fast.record_many([0.002], {"k": value})
+    assert _points(reader) == _points(public_reader) and len(_points(reader)) == 3
+
+
+def test_equal_extremes_keep_the_first_as_min_and_max_per_value_do():
+    for values in ([1, 5, 5.0], [5.0, 5, 1], [0.0, -0.0, 0.002], [-0.0, 0.0]):
+        public, fast, _ = _both(values)
+        assert public == fast
+        assert [type(p[4]) for p in public[0]] == [type(p[4]) for p in fast[0]]
+        assert [type(p[5]) for p in public[0]] == [type(p[5]) for p in fast[0]]
+
+
+def test_two_random_reservoirs_are_offered_each_value_in_the_public_order():
+    import random
+
+    from opentelemetry import context as ctx
+    from opentelemetry.sdk.metrics._internal.exemplar import SimpleFixedSizeExemplarReservoir
+
+    def views():
+        return [
+            View(
+                instrument_name="h",
+                exemplar_reservoir_factory=lambda aggregation: lambda **kw: SimpleFixedSizeExemplarReservoir(size=1),
+            )
+        ]
+
+    values = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+    public, public_readers = _histogram(views(), readers=2)
+    fast_histogram, fast_readers = _histogram(views(), readers=2)
+    fast = FastHistogram.for_instrument(fast_histogram)
+    span = TracerProvider().get_tracer("t").start_span("request")
+    token = ctx.attach(trace.set_span_in_context(span))
+    try:
+        public.record(0.5, ATTRS)
+        fast_histogram.record(0.5, ATTRS)
+        random.seed(11)
+        for value in values:
+            public.record(value, ATTRS)
+        random.seed(11)
+        fast.record_many(values, ATTRS)
+    finally:
+        ctx.detach(token)
+    assert [_points(r) for r in public_readers] == [_points(r) for r in fast_readers]
+
+
+def test_a_cleared_aggregation_is_resolved_again_as_after_a_fork():
+    from otel_generate._lifecycle import forget_inherited_metrics
+
+    histogram, (reader,) = _histogram()
+    fast = FastHistogram.for_instrument(histogram)
+    histogram.record(0.5, ATTRS)
+    fast.record_many([0.002], ATTRS)
+    reader.get_metrics_data()
+    assert forget_inherited_metrics([histogram]) == 1  # what a forked child does
+    histogram.record(0.5, ATTRS)  # the child's first request (the public path recreates the series)
+    fast.record_many([0.002, 0.003], ATTRS)
+    (point,) = _points(reader)
+    assert point[2] == 3 and point[4] == 0.002 and point[5] == 0.5
