@@ -36,8 +36,8 @@ import sys
 from itertools import starmap
 
 import callgrind_toggled  # noqa: E402  (benchmarks/, the script's own folder)
+import callgrind_workload  # noqa: E402
 
-NEW_TOKENS = 128
 CONFIGS = ("unsampled", "step-spans-off", "sampled")
 HOOK_FACTORIES = (
     "make_generate",
@@ -69,24 +69,9 @@ def not_counted(function):
 
 
 def child(config: str, n: int, folder: str) -> None:
-    import torch
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON
     from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-    from otel_generate import GenerateInstrumentor
-    from otel_generate.bench.models import build_model
     from otel_generate.integrations import generate_loop, step_hook
-
-    class Discard(SpanExporter):
-        def export(self, spans):
-            return SpanExportResult.SUCCESS
-
-        def shutdown(self):
-            pass
 
     def counting_factory(make):
         def factory(original, telemetry):
@@ -99,26 +84,8 @@ def child(config: str, n: int, folder: str) -> None:
     step_hook.RecordingCriteriaList.__call__ = counted(step_hook.RecordingCriteriaList.__call__)
     StoppingCriteriaList.__call__ = not_counted(StoppingCriteriaList.__call__)
 
-    torch.set_num_threads(1)
-    model = build_model("gpt2", seed=0)
-    tracer_provider = TracerProvider(sampler=ALWAYS_OFF if config == "unsampled" else ALWAYS_ON)
-    tracer_provider.add_span_processor(
-        BatchSpanProcessor(Discard(), schedule_delay_millis=600_000, max_queue_size=1 << 16)
-    )
-    meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
     options = {"max_step_spans": 0} if config == "step-spans-off" else {}
-    GenerateInstrumentor().instrument(
-        tracer_provider=tracer_provider, meter_provider=meter_provider, skip_dep_check=True, **options
-    )
-    ids = torch.randint(1, 126, (1, 4), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-
-    def call():
-        model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=None, do_sample=False)
-        tracer_provider.force_flush()
-
-    for _ in range(3):
-        call()
+    call = callgrind_workload.tiny_gpt2_calls(config != "unsampled", options)  # (3 warm-up calls)
     gc.collect()
     gc.disable()  # a collection would land in whichever code allocates when the threshold is crossed
     callgrind_toggled.signal(folder, "ready")

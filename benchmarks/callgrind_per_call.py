@@ -18,50 +18,11 @@ from __future__ import annotations
 import sys
 
 import callgrind_toggled  # noqa: E402  (benchmarks/, the script's own folder)
-
-NEW_TOKENS = 128
+import callgrind_workload  # noqa: E402
 
 
 def child(config: str, n: int, folder: str) -> None:
-    import torch
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON
-
-    from otel_generate import GenerateInstrumentor
-    from otel_generate.bench.models import build_model
-
-    class Discard(SpanExporter):
-        def export(self, spans):
-            return SpanExportResult.SUCCESS
-
-        def shutdown(self):
-            pass
-
-    torch.set_num_threads(1)
-    model = build_model("gpt2", seed=0)
-    tracer_provider = TracerProvider(sampler=ALWAYS_OFF if config == "unsampled" else ALWAYS_ON)
-    tracer_provider.add_span_processor(
-        BatchSpanProcessor(Discard(), schedule_delay_millis=600_000, max_queue_size=1 << 16)
-    )
-    reader = InMemoryMetricReader()
-    meter_provider = MeterProvider(metric_readers=[reader])
-    if config != "plain":
-        GenerateInstrumentor().instrument(
-            tracer_provider=tracer_provider, meter_provider=meter_provider, skip_dep_check=True
-        )
-    ids = torch.randint(1, 126, (1, 4), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-
-    def call():
-        model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=None, do_sample=False)
-        tracer_provider.force_flush()
-
-    for _ in range(3):
-        call()
-    reader.get_metrics_data()
+    call = callgrind_workload.tiny_gpt2_calls(config != "unsampled", None if config == "plain" else {})
     callgrind_toggled.signal(folder, "ready")
     callgrind_toggled.wait(folder, "go")
     for _ in range(n):
