@@ -88,12 +88,7 @@ def child(config: str, n: int, folder: str) -> None:
     call = callgrind_workload.tiny_gpt2_calls(config != "unsampled", options)  # (3 warm-up calls)
     gc.collect()
     gc.disable()  # a collection would land in whichever code allocates when the threshold is crossed
-    callgrind_toggled.signal(folder, "ready")
-    callgrind_toggled.wait(folder, "go")
-    for _ in range(n):
-        call()
-    callgrind_toggled.signal(folder, "done")
-    callgrind_toggled.wait(folder, "stop")
+    callgrind_toggled.counted_stretch(folder, lambda: [call() for _ in range(n)])
 
 
 def main() -> int:

@@ -23,12 +23,7 @@ import callgrind_workload  # noqa: E402
 
 def child(config: str, n: int, folder: str) -> None:
     call = callgrind_workload.tiny_gpt2_calls(config != "unsampled", None if config == "plain" else {})
-    callgrind_toggled.signal(folder, "ready")
-    callgrind_toggled.wait(folder, "go")
-    for _ in range(n):
-        call()
-    callgrind_toggled.signal(folder, "done")
-    callgrind_toggled.wait(folder, "stop")
+    callgrind_toggled.counted_stretch(folder, lambda: [call() for _ in range(n)])
 
 
 def main() -> int:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 
 def signal(folder: str, name: str) -> None:
@@ -29,6 +29,16 @@ def wait(folder: str, name: str, poll_s: float = 0.01) -> None:
     """Wait until the other process marked ``name``."""
     while not os.path.exists(os.path.join(folder, name)):
         time.sleep(poll_s)
+
+
+def counted_stretch(folder: str, work: Callable[[], None]) -> None:
+    """In the child: mark ``"ready"``, wait for ``"go"``, run ``work`` (what is counted), mark
+    ``"done"`` and wait for ``"stop"`` (the parent has turned counting off by then)."""
+    signal(folder, "ready")
+    wait(folder, "go")
+    work()
+    signal(folder, "done")
+    wait(folder, "stop")
 
 
 def count(script: str, child_args: Sequence[str], valgrind_args: Sequence[str] = ()) -> Optional[int]:

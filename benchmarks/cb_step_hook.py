@@ -159,11 +159,7 @@ def _child(mode: str, batch_size: int, steps: int, folder: str) -> None:
         _run(manager, 1000)
         _clear(state)
     gc.disable()
-    callgrind_toggled.signal(folder, "ready")
-    callgrind_toggled.wait(folder, "go")
-    _run(manager, steps)
-    callgrind_toggled.signal(folder, "done")
-    callgrind_toggled.wait(folder, "stop")
+    callgrind_toggled.counted_stretch(folder, lambda: _run(manager, steps))
 
 
 def instructions(mode: str, batch_size: int, steps: int) -> int:
