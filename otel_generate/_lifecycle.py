@@ -165,6 +165,12 @@ def _after_fork_in_child() -> None:
     _arm_if_enabled()
 
 
+#: How many times :func:`forget_inherited_metrics` ran in this process: the only code that removes
+#: an SDK aggregation (the SDK never does), so what :mod:`otel_generate.fast_metrics` resolved
+#: while this count was the same still holds.
+metrics_forgotten = 0
+
+
 def forget_inherited_metrics(instruments: Iterable[Any]) -> int:
     """Drop what ``instruments`` aggregated so far in every reader of their SDK ``MeterProvider``
     (in a forked child: the parent's measurements). Returns how many series were dropped.
@@ -173,6 +179,8 @@ def forget_inherited_metrics(instruments: Iterable[Any]) -> int:
     such storage and are skipped. The series' locks are replaced first: a parent thread may have
     held one at the fork, and in the child nothing else runs yet.
     """
+    global metrics_forgotten
+    metrics_forgotten += 1
     dropped = 0
     for instrument in instruments:
         real = getattr(instrument, "_real_instrument", instrument)  # the API's proxy forwards to this

@@ -33,7 +33,7 @@ from otel_generate import attributes as A
 from otel_generate import telemetry as _telemetry
 from otel_generate._faults import Fault, error_type, log_fault_once
 from otel_generate.derive import Summary, derive
-from otel_generate.fast_spans import fast_eligible
+from otel_generate.fast_spans import fast_eligible, set_request_attributes
 from otel_generate.record import GenerationRecord
 from otel_generate.request import Request
 from otel_generate.telemetry import Telemetry  # noqa: E402
@@ -206,7 +206,8 @@ def _annotate(
             span.set_status(Status(StatusCode.ERROR, f"{type(request.error).__name__}: {request.error}"))
         if not steps_unseen:
             attrs[A.GENERATE_STEP_SPANS_DROPPED] = len(summary.step_latencies_ns) - summary.step_spans
-        span.set_attributes(attrs)
+        if not set_request_attributes(span, attrs):
+            span.set_attributes(attrs)
         _emit_steps(telemetry, span, request, summary, yield_every)
     if not record:
         return None
@@ -381,14 +382,21 @@ def _record_metrics(
     """
     fast = fast or {}
 
+    def record_value(name: str, value: Any, attributes: Dict[str, Any]) -> None:
+        helper = fast.get(name)
+        if helper is not None:
+            helper.record_one(value, attributes)
+        else:
+            instruments[name].record(value, attributes)
+
     def record_values(name: str, values: Any, attributes: Dict[str, Any]) -> None:
         helper = fast.get(name)
         if helper is not None:
             helper.record_many(values, attributes)
         else:
-            record_one = instruments[name].record
+            record = instruments[name].record
             for value in values:
-                record_one(value, attributes)
+                record(value, attributes)
 
     base = {
         A.GEN_AI_OPERATION_NAME: A.OPERATION_TEXT_COMPLETION,
@@ -402,23 +410,23 @@ def _record_metrics(
     exemplar_span = span if span.get_span_context().trace_flags.sampled else trace.INVALID_SPAN
     token = otel_context.attach(trace.set_span_in_context(exemplar_span))
     try:
-        record_values(A.METRIC_REQUEST_DURATION, (duration_s,), base)
-        record_values(A.METRIC_CLIENT_OPERATION_DURATION, (duration_s,), base)
+        record_value(A.METRIC_REQUEST_DURATION, duration_s, base)
+        record_value(A.METRIC_CLIENT_OPERATION_DURATION, duration_s, base)
         # defined for successful responses only (GenAI metrics page); the inter-token latency alike
         if not error:
             if summary.time_to_first_token_s is not None:
-                record_values(A.METRIC_TIME_TO_FIRST_TOKEN, (summary.time_to_first_token_s,), base)
+                record_value(A.METRIC_TIME_TO_FIRST_TOKEN, summary.time_to_first_token_s, base)
             if summary.time_per_output_token_s is not None:
-                record_values(A.METRIC_TIME_PER_OUTPUT_TOKEN, (summary.time_per_output_token_s,), base)
+                record_value(A.METRIC_TIME_PER_OUTPUT_TOKEN, summary.time_per_output_token_s, base)
                 if A.METRIC_INTER_TOKEN_LATENCY in instruments:
                     record_values(A.METRIC_INTER_TOKEN_LATENCY, summary.inter_token_latencies_s, base)
         if A.METRIC_TOKEN_USAGE in instruments:
             if request.input_tokens is not None:
                 inputs = {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_INPUT}
-                record_values(A.METRIC_TOKEN_USAGE, (request.input_tokens,), inputs)
+                record_value(A.METRIC_TOKEN_USAGE, request.input_tokens, inputs)
             if request.output_tokens is not None:
                 outputs = {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_OUTPUT}
-                record_values(A.METRIC_TOKEN_USAGE, (request.output_tokens,), outputs)
+                record_value(A.METRIC_TOKEN_USAGE, request.output_tokens, outputs)
     finally:
         otel_context.detach(token)
 

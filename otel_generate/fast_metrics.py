@@ -11,7 +11,8 @@ up, the attributes copied, filtered and hashed to find the aggregation, then
 :meth:`FastHistogram.record_many` finds the aggregation each view of each reader feeds for these
 attributes once per attribute set, and remembers it for as long as the consumer's reader
 storages are the same dict (the SDK replaces that dict when a reader is added or removed, never
-changes an instrument's view matches once made and never removes an aggregation); where one does
+changes an instrument's view matches once made and never removes an aggregation: only a forked
+child's reset does, which counts it); where one does
 not exist yet, every value goes through the public API, which creates it. It hands each value
 straight to those ``aggregate`` methods,
 with a ``Measurement`` holding the same value, its own ``time_ns()``, the same instrument,
@@ -27,6 +28,13 @@ addition, the aggregation's ``aggregate`` is exactly the SDK's code this module 
 with its source), that code's effect for all values is applied under one lock (the same sum in
 the same order, the bucket counts, min and max; iterated in C: ``functools.reduce`` adds left to
 right as ``+=`` does), then the exemplars are offered (a ``Measurement`` is built only for them).
+:meth:`FastHistogram.record_one` is that path for one value (a request's duration, its time to
+first token, a token count), without the list. The filter's answer and the span ids of the
+context are found once for all the histograms a request records in one context
+(:func:`_exemplar_decision`). Where, in addition, an offer runs exactly the SDK code this module
+knows for the default reservoir (:func:`_offers_as_expected`, compared with its source), the
+offer's effect on the value's bucket is applied directly (:func:`_offer_to_bucket`): its value,
+time, attributes and span ids, under the reservoir's lock.
 
 That uses SDK internals, so it is taken only when they are exactly as expected
 (:meth:`FastHistogram.for_instrument`, once per ``instrument()``, and again for every new
@@ -40,13 +48,15 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections import Counter
 from functools import reduce
-from itertools import repeat
 from operator import add
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
+from opentelemetry.trace import INVALID_SPAN, get_current_span
+
+from otel_generate import _lifecycle
 from otel_generate._faults import Fault, log_fault_once
+from otel_generate._sdk_code import same_code
 
 
 class _NotEligible(Exception):
@@ -57,6 +67,9 @@ class _NotEligible(Exception):
 #: model, operation, provider and error type: few sets in one process).
 _CACHE_SIZE = 256
 _SCALARS = frozenset((str, bool, int, float))
+_STRINGS = frozenset((str,))
+_NUMBERS = (int, float)
+_INFINITY = math.inf
 
 
 class _Resolved(NamedTuple):
@@ -70,14 +83,17 @@ class _Resolved(NamedTuple):
     aggregations: List[Any]
     reuse: bool
     bulk: bool
-    #: ``(view instrument match, its key of these attributes)`` per aggregation: a remembered
-    #: resolution holds while each match still maps that key to that aggregation
-    places: List[Tuple[Any, Any]]
+    #: more than one aggregation, and one of them with a reservoir that may keep any value (it
+    #: draws random numbers: each value goes to every aggregation in turn, the per-value path)
+    random: bool
+    #: per aggregation, its reservoir where an offer to it may be made by :func:`_offer_to_bucket`
+    #: (:func:`_offers_as_expected`), else ``None``
+    reservoirs: List[Any]
 
 
 #: The SDK's ``_ExplicitBucketHistogramAggregation.aggregate`` (opentelemetry-sdk 1.x) that
 #: :meth:`FastHistogram.record_many` repeats for many values under one lock; compared with the
-#: installed SDK's source (whitespace aside) before it is relied on.
+#: installed SDK's code (:func:`otel_generate._sdk_code.same_code`) before it is relied on.
 _AGGREGATE_SOURCE = """
 def aggregate(self, measurement: Measurement, should_sample_exemplar: bool = True) -> None:
     with self._lock:
@@ -94,23 +110,18 @@ def aggregate(self, measurement: Measurement, should_sample_exemplar: bool = Tru
 _checked_classes: Dict[type, bool] = {}
 
 
-def _normalized(source: str) -> str:
-    return "\n".join(line.strip() for line in source.splitlines() if line.strip())
-
-
 def _aggregates_as_expected(cls: type) -> bool:
     """Whether ``cls.aggregate`` is exactly :data:`_AGGREGATE_SOURCE`, with the builtins and
     ``bisect_left`` it names being those (read from its source, once per class)."""
     known = _checked_classes.get(cls)
     if known is None:
         try:
-            import inspect
             import sys
 
             function = cls.__dict__["aggregate"]
             namespace = vars(sys.modules[function.__module__])
             known = (
-                _normalized(inspect.getsource(function)) == _normalized(_AGGREGATE_SOURCE)
+                same_code(function, _AGGREGATE_SOURCE)
                 and namespace.get("bisect_left") is bisect.bisect_left
                 and "min" not in namespace
                 and "max" not in namespace
@@ -120,6 +131,190 @@ def _aggregates_as_expected(cls: type) -> bool:
             known = False
         _checked_classes[cls] = known
     return known
+
+
+#: The SDK's code an exemplar offer runs for the histogram's default reservoir
+#: (``AlignedHistogramBucketExemplarReservoir``, opentelemetry-sdk 1.x), that
+#: :func:`_offer_to_bucket` repeats; compared with the installed SDK's source before it is relied on.
+_OFFER_SOURCES = {
+    "sample_exemplar": """
+def _sample_exemplar(self, measurement: Measurement, should_sample_exemplar: bool) -> None:
+    if should_sample_exemplar:
+        self._reservoir.offer(
+            measurement.value,
+            measurement.time_unix_nano,
+            measurement.attributes,
+            measurement.context,
+        )
+""",
+    "reservoir_offer": """
+def offer(
+    self,
+    value: float,
+    time_unix_nano: int,
+    attributes: Attributes,
+    context: Context,
+) -> None:
+    with self._lock:
+        try:
+            index = self._find_bucket_index(value, time_unix_nano, attributes, context)
+            self._reservoir_storage[index].offer(value, time_unix_nano, attributes, context)
+        except BucketIndexError:
+            pass
+""",
+    "find_bucket_index": """
+def _find_bucket_index(
+    self,
+    value: float,
+    time_unix_nano: int,
+    attributes: Attributes,
+    context: Context,
+) -> int:
+    for index, boundary in enumerate(self._boundaries):
+        if value <= boundary:
+            return index
+    return len(self._boundaries)
+""",
+    "bucket_offer": """
+def offer(
+    self,
+    value: float,
+    time_unix_nano: int,
+    attributes: Attributes,
+    context: Context,
+) -> None:
+    self.__value = value
+    self.__time_unix_nano = time_unix_nano
+    self.__attributes = attributes
+    span = trace.get_current_span(context)
+    if span != INVALID_SPAN:
+        span_context = span.get_span_context()
+        self.__span_id = span_context.span_id
+        self.__trace_id = span_context.trace_id
+    self.__offered = True
+""",
+}
+_checked_reservoirs: Dict[Tuple[type, type], bool] = {}
+
+
+def _offers_as_expected(aggregation_type: type, reservoir: Any) -> bool:
+    """Whether an offer to ``reservoir`` from an ``aggregation_type`` aggregation runs exactly
+    :data:`_OFFER_SOURCES` (checked once per pair of classes): then :func:`_offer_to_bucket` does
+    what it does. Its boundaries must also be sorted (then its bucket scan finds ``bisect_left``'s
+    bucket), and its buckets an SDK ``defaultdict`` of ``ExemplarBucket``."""
+    from collections import defaultdict
+
+    storage = getattr(reservoir, "_reservoir_storage", None)
+    if type(storage) is not defaultdict or not isinstance(getattr(reservoir, "_boundaries", None), (list, tuple)):
+        return False
+    boundaries = list(reservoir._boundaries)
+    if boundaries != sorted(boundaries):
+        return False
+    key = (aggregation_type, type(reservoir))
+    known = _checked_reservoirs.get(key)
+    if known is None or storage.default_factory is not _bucket_type():
+        try:
+            bucket = _bucket_type()
+            known = (
+                storage.default_factory is bucket
+                and same_code(aggregation_type._sample_exemplar, _OFFER_SOURCES["sample_exemplar"])
+                and same_code(type(reservoir).offer, _OFFER_SOURCES["reservoir_offer"])
+                and same_code(type(reservoir)._find_bucket_index, _OFFER_SOURCES["find_bucket_index"])
+                and same_code(bucket.offer, _OFFER_SOURCES["bucket_offer"])
+                and all(hasattr(bucket(), "_ExemplarBucket__" + name) for name in _BUCKET_FIELDS)
+                and _names_are_the_apis(bucket.offer)
+            )
+        except Exception:  # no source, another layout: never relied on
+            known = False
+        _checked_reservoirs[key] = known
+    return known
+
+
+def _names_are_the_apis(function: Any) -> bool:
+    """Whether the ``trace`` and ``INVALID_SPAN`` that ``function``'s module names are the API's."""
+    import sys
+
+    from opentelemetry import trace
+
+    namespace = vars(sys.modules[function.__module__])
+    return namespace.get("trace") is trace and namespace.get("INVALID_SPAN") is trace.INVALID_SPAN
+
+
+_BUCKET_FIELDS = ("value", "time_unix_nano", "attributes", "span_id", "trace_id", "offered")
+
+
+def _bucket_type() -> type:
+    from opentelemetry.sdk.metrics._internal.exemplar.exemplar_reservoir import ExemplarBucket
+
+    return ExemplarBucket
+
+
+def _offer_to_bucket(reservoir: Any, index: int, value: float, time_unix_nano: int, attributes: Any, ids: Any) -> None:
+    """What ``reservoir.offer(value, time_unix_nano, attributes, context)`` does
+    (:data:`_OFFER_SOURCES`) for a value in bucket ``index``; ``ids``: ``(span_id, trace_id)`` of
+    the context's span, ``None`` when it is the invalid span (the bucket keeps its ids then)."""
+    with reservoir._lock:
+        bucket = reservoir._reservoir_storage[index]
+        bucket._ExemplarBucket__value = value
+        bucket._ExemplarBucket__time_unix_nano = time_unix_nano
+        bucket._ExemplarBucket__attributes = attributes
+        if ids is not None:
+            bucket._ExemplarBucket__span_id, bucket._ExemplarBucket__trace_id = ids
+        bucket._ExemplarBucket__offered = True
+
+
+def _span_ids(context: Any) -> Any:
+    """``(span_id, trace_id)`` of the span in ``context``, ``None`` for the invalid span (as an
+    exemplar bucket's offer reads them)."""
+    span = get_current_span(context)
+    if span != INVALID_SPAN:
+        span_context = span.get_span_context()
+        return span_context.span_id, span_context.trace_id
+    return None
+
+
+#: The last :func:`_exemplar_decision`: ``(context, exemplar filter, sample, span ids)``.
+_last_decision: Tuple[Any, Any, bool, Any] = (None, None, False, None)
+
+
+def _exemplar_decision(
+    exemplar_filter: Any, context: Any, value: float, time_unix_nano: int, attributes: Any
+) -> Tuple[bool, Any]:
+    """``(exemplar_filter.should_sample(value, time_unix_nano, attributes, context), span ids of
+    the context)`` for one of the SDK's own filters, whose answer depends on the context alone: a
+    request's histograms are recorded in one context, so both are found once for all of them (the
+    last context is held, so that it is the same object, not another at its address)."""
+    global _last_decision
+    last = _last_decision
+    if last[0] is context and last[1] is exemplar_filter:
+        return last[2], last[3]
+    sample = exemplar_filter.should_sample(value, time_unix_nano, attributes, context)
+    ids = _span_ids(context) if sample else None
+    _last_decision = (context, exemplar_filter, sample, ids)
+    return sample, ids
+
+
+def _last_in_each_bucket(order: Sequence[int], ordered: Sequence[float], boundaries: Sequence[float]) -> Dict[int, int]:
+    """``{bucket: the last position in values of a value in that bucket}`` for the buckets that
+    ``boundaries`` make (a value's bucket is ``bisect_left(boundaries, value)``), the same dict as
+    ``for position, value in enumerate(values): last[bisect_left(boundaries, value)] = position``.
+    ``order`` is the positions of ``values`` sorted by value, ``ordered`` the values in that order:
+    a bucket's values are a run of ``ordered`` (the values <= a boundary are
+    ``bisect_right(ordered, boundary)``), their positions the same run of ``order`` (iterated in C)."""
+    count, below = len(ordered), 0
+    bisect_right = bisect.bisect_right
+    last: Dict[int, int] = {}
+    for index, bound in enumerate(boundaries):
+        upto = bisect_right(ordered, bound)
+        if upto > below:
+            last[index] = max(order[below:upto])
+            below = upto
+            if below == count:
+                break
+    else:
+        if count > below:
+            last[len(boundaries)] = max(order[below:])
+    return last
 
 
 class FastHistogram:
@@ -153,8 +348,9 @@ class FastHistogram:
         self._aligned = AlignedHistogramBucketExemplarReservoir
         self._histogram_aggregation = _ExplicitBucketHistogramAggregation
         self._reservoirs = (AlignedHistogramBucketExemplarReservoir, SimpleFixedSizeExemplarReservoir)
-        #: attribute items -> (the reader storages they were resolved against, :class:`_Resolved`)
-        self._cache: Dict[Any, Tuple[Any, _Resolved]] = {}
+        #: attributes -> (the reader storages they were resolved against, the count of
+        #: :func:`~otel_generate._lifecycle.forget_inherited_metrics` runs then, :class:`_Resolved`)
+        self._cache: Dict[Any, Tuple[Any, int, _Resolved]] = {}
         self._sample_exemplar = _Aggregation._sample_exemplar  # offers to the reservoir only when told to
         self.broken = False
 
@@ -188,7 +384,7 @@ class FastHistogram:
         histogram = self._histogram
         targets: List[Tuple[Any, Optional[Sequence[float]]]] = []
         aggregations: List[Any] = []
-        places: List[Tuple[Any, Any]] = []
+        reservoirs: List[Any] = []
         reuse = bulk = True
         for storage in histogram._measurement_consumer._reader_storages.values():
             if type(storage) is not self._storage_type:
@@ -204,7 +400,6 @@ class FastHistogram:
                 aggregation = match._attributes_aggregation.get(place)
                 if aggregation is None:
                     raise _NotEligible
-                places.append((match, place))
                 reservoir = getattr(aggregation, "_reservoir", None)
                 boundaries = None
                 if type(reservoir) is self._aligned and type(aggregation)._sample_exemplar is self._sample_exemplar:
@@ -215,41 +410,43 @@ class FastHistogram:
                     bulk = False
                 targets.append((aggregation.aggregate, boundaries))
                 aggregations.append(aggregation)
-        return _Resolved(cleaned, targets, aggregations, reuse, reuse and bulk, places)
+                direct = boundaries is not None and _offers_as_expected(type(aggregation), reservoir)
+                reservoirs.append(reservoir if direct else None)
+        random = len(targets) > 1 and any(boundaries is None for _, boundaries in targets)
+        return _Resolved(cleaned, targets, aggregations, reuse, reuse and bulk, random, reservoirs)
 
     def _resolve(self, attributes: Any) -> "_Resolved":
         """:meth:`_targets` of ``attributes``, from the cache when they were resolved before.
 
         A remembered resolution is used while the consumer's reader storages are the same dict
         (the SDK replaces that dict when a reader is added or removed; an instrument's view
-        matches never change once made) and each view match still maps the attributes' key to
-        the same aggregation (a forked child's reset, :func:`otel_generate._lifecycle.forget_inherited_metrics`,
-        clears them). Attribute sets whose values are not all ``str``, ``bool``, ``int`` or
+        matches never change once made) and no aggregation was removed since (the SDK never
+        removes one; a forked child's reset, :func:`otel_generate._lifecycle.forget_inherited_metrics`,
+        does, and counts it). Attribute sets whose values are not all ``str``, ``bool``, ``int`` or
         ``float`` are resolved every time: the cache key holds each value's type, as the SDK's
         key does (``True``, ``1`` and ``1.0`` are different series there, equal in a tuple)."""
         storages = self._histogram._measurement_consumer._reader_storages
+        forgotten = _lifecycle.metrics_forgotten
         key: Any = None
         if attributes:
-            values = tuple(attributes.values())
-            types = tuple(map(type, values))
-            if _SCALARS.issuperset(types):
-                key = (tuple(attributes), types, values)
+            if _STRINGS.issuperset(map(type, attributes.values())):
+                key = tuple(attributes.items())  # (str values: equal values are the same series)
+            else:
+                values = tuple(attributes.values())
+                types = tuple(map(type, values))
+                if _SCALARS.issuperset(types):
+                    key = (tuple(attributes), types, values)
         else:  # None or empty: kept apart (a measurement carries them as given)
             key = (attributes is None,)
         cached = self._cache.get(key) if key is not None else None
-        if cached is not None and cached[0] is storages:
-            resolved = cached[1]
-            for (match, place), aggregation in zip(resolved.places, resolved.aggregations):
-                if match._attributes_aggregation.get(place) is not aggregation:
-                    break
-            else:
-                return resolved
+        if cached is not None and cached[0] is storages and cached[1] == forgotten:
+            return cached[2]
         resolved = self._targets(self._clean(attributes, None) if attributes is not None else None)
         if key is not None and (key in self._cache or len(self._cache) < _CACHE_SIZE):
-            self._cache[key] = (storages, resolved)
+            self._cache[key] = (storages, forgotten, resolved)
         return resolved
 
-    def _aggregate_all(self, values: List[float], context: Any, should_sample: Any, resolved: "_Resolved") -> bool:
+    def _aggregate_all(self, values: List[float], context: Any, exemplar_filter: Any, resolved: "_Resolved") -> bool:
         """What ``aggregate()`` does per value (the SDK's own code, checked by
         :func:`_aggregates_as_expected`), for all values under one lock: the same sum in the same
         order, the bucket counts, min and max; then the exemplars, each bucket's last value where
@@ -260,27 +457,35 @@ class FastHistogram:
         max and each bucket's count (the values <= a boundary, by ``bisect_right``, are those
         ``bisect_left(boundaries, value)`` puts at or below its bucket); ``functools.reduce``
         adds left to right, as ``+=`` per value does."""
-        ordered = sorted(values) if len(values) > 1 else values
+        time_ns, setfield = time.time_ns, object.__setattr__
+        cleaned = resolved.cleaned
+        # the filter answers from the context alone
+        sample, ids = _exemplar_decision(exemplar_filter, context, values[0], time_ns(), cleaned)
+        if sample and resolved.random:
+            # a reservoir that may keep any value draws random numbers: the public path offers each
+            # value to every aggregation in turn, and so does the per-value path
+            return False
+        order: Sequence[int] = (0,)
+        if len(values) == 1:
+            ordered = values
+        elif sample:  # the exemplars need each value's position too
+            order = sorted(range(len(values)), key=values.__getitem__)
+            ordered = list(map(values.__getitem__, order))
+        else:
+            ordered = sorted(values)
         # min and max per value keep the first of equal values (1 and 1.0, -0.0 and 0.0): the
         # sort is stable, so that is the first of its run in the sorted order
         low = ordered[0]
         if not low >= 0:  # a negative value, or NaN first
             return False
         high = ordered[bisect.bisect_left(ordered, ordered[-1])]
-        time_ns, setfield = time.time_ns, object.__setattr__
-        cleaned = resolved.cleaned
-        sample = should_sample(values[0], time_ns(), cleaned, context)  # the filter answers from the context alone
-        if sample and len(resolved.targets) > 1 and any(boundaries is None for _, boundaries in resolved.targets):
-            # a reservoir that may keep any value draws random numbers: the public path offers each
-            # value to every aggregation in turn, and so does the per-value path
-            return False
         m = None
         count = len(values)
         bisect_left, bisect_right = bisect.bisect_left, bisect.bisect_right
         checked = False
-        for aggregation, (_, boundaries) in zip(resolved.aggregations, resolved.targets):
-            same = sample and boundaries is not None and boundaries == list(aggregation._boundaries)
-            last: Dict[int, int] = {}
+        for aggregation, (_, boundaries), reservoir in zip(
+            resolved.aggregations, resolved.targets, resolved.reservoirs
+        ):
             with aggregation._lock:
                 total = reduce(add, values, aggregation._sum)
                 if not checked:  # a NaN or an infinity makes the sum so: then nothing is changed
@@ -291,14 +496,7 @@ class FastHistogram:
                     aggregation._value = aggregation._get_empty_bucket_counts()
                 counts, bounds = aggregation._value, aggregation._boundaries
                 if count == 1:
-                    index = bisect_left(bounds, low)
-                    counts[index] += 1
-                    last[index] = 0
-                elif same:  # each bucket's last position, for the exemplars
-                    indices = list(map(bisect_left, repeat(bounds), values))
-                    for index, hits in Counter(indices).items():
-                        counts[index] += hits
-                    last = dict(zip(indices, range(count)))
+                    counts[bisect_left(bounds, low)] += 1
                 else:
                     below = 0  # values in the buckets so far
                     for index, bound in enumerate(bounds):
@@ -315,21 +513,77 @@ class FastHistogram:
                     aggregation._max = max(aggregation._max, high)
             if not sample:
                 continue
+            if boundaries is None:  # a reservoir that may keep any value: every value offered, in order
+                positions: Iterable[int] = range(len(values))
+            elif count == 1:
+                positions = (0,)
+            else:
+                positions = sorted(_last_in_each_bucket(order, ordered, boundaries).values())
+            if reservoir is not None:  # what its offer does
+                for position in positions:
+                    value = values[position]
+                    _offer_to_bucket(reservoir, bisect_left(boundaries, value), value, time_ns(), cleaned, ids)
+                continue
             if m is None:  # only an exemplar reads a measurement
                 m = self._measurement(values[0], time_ns(), self._histogram, context, None)
                 setfield(m, "attributes", cleaned)
-            if boundaries is None:  # a reservoir that may keep any value: every value offered, in order
-                positions: Iterable[int] = range(len(values))
-            else:
-                if not same:
-                    for position, value in enumerate(values):
-                        last[bisect_left(boundaries, value)] = position
-                positions = sorted(last.values())
             for position in positions:
                 setfield(m, "value", values[position])
                 setfield(m, "time_unix_nano", time_ns())
                 aggregation._sample_exemplar(m, True)
         return True
+
+    def record_one(self, value: float, attributes: Any) -> None:
+        """``histogram.record(value, attributes)`` in the current context: one value (a request's
+        duration, time to first token, token count). Where the bulk path of :meth:`record_many`
+        may be taken and the value is a finite ``int`` or ``float`` >= 0, the SDK's
+        ``aggregate()`` is repeated for it (its sum, min and max, its bucket; the exemplar offered
+        when the filter says so), without the list; otherwise :meth:`record_many`."""
+        histogram = self._histogram
+        resolved = None
+        if not self.broken and type(value) in _NUMBERS and 0 <= value < _INFINITY:  # (NaN is not)
+            try:
+                if histogram._is_enabled():
+                    exemplar_filter = histogram._measurement_consumer._sdk_config.exemplar_filter
+                    if type(exemplar_filter) in self._context_filters:
+                        resolved = self._resolve(attributes)
+                        context = self._get_current()
+            except _NotEligible:
+                resolved = None
+            except Exception as fault:
+                self.broken = True
+                log_fault_once(Fault.FAST_HISTOGRAM, fault)
+                resolved = None
+        if resolved is None or not resolved.bulk:
+            self.record_many((value,), attributes)
+            return
+        now = time.time_ns()
+        cleaned = resolved.cleaned
+        sample, ids = _exemplar_decision(exemplar_filter, context, value, now, cleaned)  # from the context alone
+        if sample and resolved.random:
+            self.record_many((value,), attributes)  # (the per-value path: see _aggregate_all)
+            return
+        m = None
+        for aggregation, (_, boundaries), reservoir in zip(
+            resolved.aggregations, resolved.targets, resolved.reservoirs
+        ):
+            with aggregation._lock:  # what aggregate() does under its lock, in its order
+                if aggregation._value is None:
+                    aggregation._value = aggregation._get_empty_bucket_counts()
+                aggregation._sum += value
+                if aggregation._record_min_max:
+                    aggregation._min = min(aggregation._min, value)
+                    aggregation._max = max(aggregation._max, value)
+                aggregation._value[bisect.bisect_left(aggregation._boundaries, value)] += 1
+            if not sample:
+                continue
+            if reservoir is not None:  # what its offer does
+                _offer_to_bucket(reservoir, bisect.bisect_left(boundaries, value), value, now, cleaned, ids)
+                continue
+            if m is None:  # only an exemplar reads a measurement
+                m = self._measurement(value, now, histogram, context, None)
+                object.__setattr__(m, "attributes", cleaned)
+            aggregation._sample_exemplar(m, True)
 
     def record_many(self, values: Iterable[float], attributes: Any) -> None:
         """``histogram.record(value, attributes)`` for every value, in order, in the current context."""
@@ -358,7 +612,7 @@ class FastHistogram:
         should_sample = exemplar_filter.should_sample
         setfield = object.__setattr__
         cleaned, targets, reuse = resolved.cleaned, resolved.targets, resolved.reuse
-        if resolved.bulk and once and self._aggregate_all(rest, context, should_sample, resolved):
+        if resolved.bulk and once and self._aggregate_all(rest, context, exemplar_filter, resolved):
             return
         accepted = [isfinite(value) and value >= 0 for value in rest]
         # A reservoir that keeps the last value offered per bucket ends up holding the same exemplars

@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 from otel_generate._faults import Fault, log_fault_once
+from otel_generate._sdk_code import code_digest
 
 #: Step spans with at most this many attributes, all numbers or bools, may take the fast path.
 MAX_FAST_ATTRIBUTES = 8
@@ -263,3 +264,93 @@ def fast_eligible(attributes: Dict[str, Any]) -> bool:
     return len(attributes) <= MAX_FAST_ATTRIBUTES and all(
         isinstance(value, (int, float, bool)) for value in attributes.values()
     )
+
+
+#: sha256 of the code (``ast.unparse``, docstrings left out) of the SDK functions a span's
+#: ``set_attributes`` runs, as opentelemetry-sdk 1.45 has them: ``Span.set_attributes``,
+#: ``BoundedAttributes._set_items``, ``._setitem_locked``, ``._raise_if_immutable`` and
+#: ``opentelemetry.attributes._clean_attribute_value``. :func:`set_request_attributes` repeats their
+#: effect only while the installed SDK's code is this.
+_SET_ATTRIBUTES_CODE = "8227d5eb6db752ed25d920470903028aa7275fda003023caa7a9aa3344504373"
+_SCALAR_TYPES = (bool, int, float)
+_attribute_classes: Dict[tuple, bool] = {}
+
+
+def _attribute_functions(span_type: type, attributes_type: type) -> tuple:
+    import opentelemetry.attributes as attributes_module
+
+    return (
+        span_type.set_attributes,
+        attributes_type._set_items,
+        attributes_type._setitem_locked,
+        attributes_type._raise_if_immutable,
+        attributes_module._clean_attribute_value,
+    )
+
+
+def _sets_attributes_as_expected(span_type: type, attributes_type: type) -> bool:
+    """Whether ``set_attributes`` on a ``span_type`` span holding ``attributes_type`` runs the code
+    :data:`_SET_ATTRIBUTES_CODE` names (checked once per pair of classes)."""
+    key = (span_type, attributes_type)
+    known = _attribute_classes.get(key)
+    if known is None:
+        try:
+            import opentelemetry.attributes as attributes_module
+            from opentelemetry.sdk.trace import Span
+
+            known = (
+                issubclass(span_type, Span)
+                and attributes_type is attributes_module.BoundedAttributes
+                and code_digest(_attribute_functions(span_type, attributes_type)) == _SET_ATTRIBUTES_CODE
+            )
+        except Exception:  # no source, another layout: never relied on
+            known = False
+        _attribute_classes[key] = known
+    return known
+
+
+def set_request_attributes(span: Any, attributes: Dict[str, Any]) -> bool:
+    """``span.set_attributes(attributes)`` for the request span's own attributes, without the
+    SDK's per-value cleaning where cleaning changes nothing but lists into tuples: every key a
+    non-empty ``str``, every value a ``bool``, ``int``, ``float`` or ``str`` (no longer than the
+    span's value limit), or a list or tuple of those; room for all of them under the span's
+    attribute limit; the span not ended. Then the same keys, values and order result, under the
+    same locks. Returns False, having changed nothing, where the caller must call
+    ``set_attributes`` itself (any other span, value or SDK)."""
+    held = getattr(span, "_attributes", None)
+    if not _sets_attributes_as_expected(type(span), type(held)):
+        return False
+    limit = held.max_value_len
+    cleaned = {}
+    for key, value in attributes.items():
+        kind = type(value)
+        if kind is str:
+            if limit is not None and len(value) > limit:
+                return False
+        elif kind is list or kind is tuple:
+            for element in value:
+                element_kind = type(element)
+                if element_kind is str:
+                    if limit is not None and len(element) > limit:
+                        return False
+                elif element_kind not in _SCALAR_TYPES:
+                    return False
+            value = tuple(value)
+        elif kind not in _SCALAR_TYPES:
+            return False
+        if type(key) is not str or not key:
+            return False
+        cleaned[key] = value
+    with span._lock:
+        if span._end_time is not None or held._immutable:
+            return False
+        room = held.maxlen
+        if room is not None and len(held._dict) + len(cleaned) > room:
+            return False
+        with held._lock:
+            stored = held._dict
+            for key, value in cleaned.items():
+                if key in stored:
+                    del stored[key]
+                stored[key] = value
+    return True

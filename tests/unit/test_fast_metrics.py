@@ -51,7 +51,7 @@ def _points(reader):
     return sorted(out, key=repr)
 
 
-def _both(values, attributes=ATTRS, views=(), readers=1, in_span=True, prime=True):
+def _both(values, attributes=ATTRS, views=(), readers=1, in_span=True, prime=True, one_by_one=False):
     """The same values through ``record()`` per value and through ``record_many``. ``prime``: one
     earlier value recorded in both the public way, as an earlier request does, so that the
     aggregations exist and ``record_many`` takes its fast path (else it goes the public way)."""
@@ -71,7 +71,11 @@ def _both(values, attributes=ATTRS, views=(), readers=1, in_span=True, prime=Tru
     try:
         for value in values:
             public.record(value, attributes)
-        fast.record_many(iter(values), attributes)
+        if one_by_one:
+            for value in values:
+                fast.record_one(value, attributes)
+        else:
+            fast.record_many(iter(values), attributes)
     finally:
         if token is not None:
             ctx.detach(token)
@@ -334,3 +338,40 @@ def test_a_cleared_aggregation_is_resolved_again_as_after_a_fork():
     fast.record_many([0.002, 0.003], ATTRS)
     (point,) = _points(reader)
     assert point[2] == 3 and point[4] == 0.002 and point[5] == 0.5
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    values=st.lists(
+        st.one_of(st.floats(min_value=0, max_value=0.2), st.sampled_from(BUCKETS), st.integers(0, 3)), min_size=1
+    ),
+    boundaries=st.lists(st.sampled_from([0.0, *BUCKETS, 0.15, 2.0]), unique=True).map(sorted),
+)
+def test_each_buckets_last_position_is_that_of_a_scan_of_every_value(values, boundaries):
+    import bisect
+
+    from otel_generate.fast_metrics import _last_in_each_bucket
+
+    every: dict = {}
+    for position, value in enumerate(values):
+        every[bisect.bisect_left(boundaries, value)] = position
+    order = sorted(range(len(values)), key=values.__getitem__)
+    assert _last_in_each_bucket(order, [values[i] for i in order], boundaries) == every
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    values=st.lists(
+        st.one_of(
+            st.floats(min_value=0, max_value=0.2, allow_nan=False),
+            st.sampled_from([0.0, 0.001, 0.005, 0.01, 0.05, 0.1, True, -1.0, math.inf, float("nan")]),
+            st.integers(min_value=0, max_value=3),
+        ),
+        max_size=12,
+    ),
+    in_span=st.booleans(),
+    readers=st.integers(min_value=1, max_value=2),
+)
+def test_record_one_gives_what_record_gives_value_by_value(values, in_span, readers):
+    public, fast, helper = _both(values, in_span=in_span, readers=readers, one_by_one=True)
+    assert public == fast and not helper.broken

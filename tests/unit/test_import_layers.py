@@ -37,6 +37,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
             "figures",
             "tokens",
             "_lifecycle",
+            "_sdk_code",
         ),
     ),
     (

@@ -1,0 +1,48 @@
+"""Whether the installed OpenTelemetry SDK runs the code a fast path repeats.
+
+:mod:`otel_generate.fast_metrics` and :mod:`otel_generate.fast_spans` repeat the effect of a few
+SDK functions without calling them, and only while the installed SDK's functions are the code
+they know: compared here as ``ast.unparse`` writes it, docstrings, comments and layout left out.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import textwrap
+from typing import Any, Iterable
+
+
+def code_of(source: str) -> str:
+    """The code of ``source`` (one function, indented or not), its docstring left out.
+
+    Raises:
+        SyntaxError: ``source`` is not Python.
+    """
+    tree = ast.parse(textwrap.dedent(source))
+    function = tree.body[0]
+    body = getattr(function, "body", None)
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        if isinstance(body[0].value.value, str):
+            del body[0]
+    return ast.unparse(tree)
+
+
+def same_code(function: Any, known: str) -> bool:
+    """Whether ``function``'s source is the code ``known``.
+
+    Raises:
+        OSError, TypeError: ``function``'s source cannot be read.
+    """
+    return code_of(inspect.getsource(function)) == code_of(known)
+
+
+def code_digest(functions: Iterable[Any]) -> str:
+    """sha256 (hex) of the functions' code, in order (for code too long to quote).
+
+    Raises:
+        OSError, TypeError: a function's source cannot be read.
+    """
+    text = "\n".join(code_of(inspect.getsource(function)) for function in functions)
+    return hashlib.sha256(text.encode()).hexdigest()

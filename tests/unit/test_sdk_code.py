@@ -1,0 +1,30 @@
+"""otel_generate._sdk_code: a function's code compared without its docstring, comments and layout."""
+
+from __future__ import annotations
+
+from otel_generate._sdk_code import code_digest, code_of, same_code
+
+
+def reference(self, value):
+    """A docstring."""
+    if value:  # a comment
+        return (value, self)
+    return None
+
+
+def test_docstring_comments_and_layout_do_not_count_a_statement_does():
+    assert same_code(
+        reference, "def reference(self, value):\n    if value:\n        return (value, self)\n    return None\n"
+    )
+    assert not same_code(
+        reference, "def reference(self, value):\n    if value:\n        return (self, value)\n    return None\n"
+    )
+    assert code_of("    def f():\n        'doc'\n        return 1\n") == code_of("def f():\n    return 1")
+
+
+def test_the_digest_follows_the_code_and_the_order():
+    def other(self):
+        return 2
+
+    assert code_digest([reference, other]) == code_digest([reference, other])
+    assert code_digest([reference, other]) != code_digest([other, reference])
