@@ -138,7 +138,7 @@ class Call(CallFrame):
             device = None
             if self.timed:
                 devices = list(clock.devices_of(model))
-                device = str(devices[-1]) if devices else None
+                device = clock.device_name(devices[-1]) if devices else None
                 if telemetry.synchronize:
                     try:
                         self.sync = clock.synchronizer_for(devices)
