@@ -251,6 +251,8 @@ def outliers(latencies_ns: Sequence[int], prefill: AbstractSet[int], factor: flo
         decode = [latency for index, latency in enumerate(latencies_ns) if index not in prefill]
     if len(decode) < 3:
         return frozenset()
+    if max(decode) <= factor * min(decode):  # the median is at least the fastest step: no outlier
+        return frozenset()
     ordered = sorted(decode)
     middle = len(ordered) // 2
     median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2

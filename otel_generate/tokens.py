@@ -201,4 +201,6 @@ def finish_reasons(
 def step_tokens(lengths: Iterable[int], prompt_length: int) -> List[int]:
     """Tokens appended per sequence by each step, from the sequence length seen after each step."""
     lengths = list(lengths)
+    if lengths and lengths == list(range(lengths[0], lengths[0] + len(lengths))):  # one token a step
+        return [lengths[0] - prompt_length] + [1] * (len(lengths) - 1)
     return list(map(operator.sub, lengths, [prompt_length] + lengths[:-1]))

@@ -141,15 +141,19 @@ class RecordingCriteriaList(StoppingCriteriaList):
         self._plain = recorder.plain_appends()
 
     def __call__(self, input_ids, scores, **kwargs):
-        is_done = StoppingCriteriaList.__call__(self, input_ids, scores, **kwargs)
-        plain, recorder = self._plain, self.recorder
-        if plain is None or recorder.fault is not None:  # (a copy of this list may have faulted)
-            recorder(input_ids, is_done)
+        if kwargs:
+            is_done = StoppingCriteriaList.__call__(self, input_ids, scores, **kwargs)
+        else:  # (how transformers calls it: no keyword to pass on)
+            is_done = StoppingCriteriaList.__call__(self, input_ids, scores)
+        plain = self._plain
+        if plain is None or self.recorder.fault is not None:  # (a copy of this list may have faulted)
+            self.recorder(input_ids, is_done)
             return is_done
+        append_time, append_length, clock = plain
         try:
-            plain[0](plain[2]())
-            plain[1](input_ids.shape[-1])
+            append_time(clock())
+            append_length(input_ids.shape[-1])
         except Exception as exc:  # never break generation: the recorder stops, as after its own fault
             self._plain = None
-            recorder._fail(exc)
+            self.recorder._fail(exc)
         return is_done

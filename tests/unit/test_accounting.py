@@ -300,3 +300,20 @@ def test_accounting_imports_no_transformers():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_step_tokens_are_the_differences_of_the_lengths_seen():
+    import random
+
+    from otel_generate.tokens import step_tokens
+
+    rng = random.Random(3)
+    for _ in range(500):
+        prompt = rng.randint(0, 6)
+        lengths, length = [], prompt
+        for _ in range(rng.randint(0, 9)):
+            length += rng.choice((1, 1, 1, 0, 2, 5))
+            lengths.append(length)
+        expected = [after - before for before, after in zip([prompt] + lengths, lengths)]
+        assert step_tokens(iter(lengths), prompt) == expected
+    assert step_tokens([7, 8, 9], 4) == [3, 1, 1]  # the first step: the prompt's width to its first token

@@ -122,6 +122,22 @@ def test_outliers_are_decode_steps_above_factor_times_the_median():
     assert outliers([10, 10, 12, 10, 100], {0, 3}, 3.0) == {4}  # median of 10, 12, 100
 
 
+def test_outliers_match_the_definition_on_random_steps():
+    import statistics
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        latencies = [rng.choice((1, 2, 3, 5, 9, 10, 11, 30, 31, 100)) for _ in range(rng.randint(0, 12))]
+        prefill = set(rng.sample(range(len(latencies)), min(len(latencies), rng.randint(0, 2)))) | {0}
+        factor = rng.choice((1.0, 1.5, 3.0, 10.0))
+        decode = [(i, x) for i, x in enumerate(latencies) if i not in prefill]
+        expected = frozenset()
+        if len(decode) >= 3:
+            limit = factor * statistics.median(x for _, x in decode)
+            expected = frozenset(i for i, x in decode if x > limit)
+        assert outliers(latencies, prefill, factor) == expected, (latencies, prefill, factor)
+
+
 def test_step_spans_decision_under_each_policy():
     request = make([10, 20, 30, 40, 90], [1, 1, 1, 1, 1], start=0)
     everything = derive(request, StepSpanPolicy(STEP_SPANS_ALL, max_step_spans=3), spans=True)
