@@ -146,14 +146,15 @@ _device_names: dict = {}
 def device_name(device: Any) -> str:
     """``str(device)`` (``"cpu"``, ``"cuda:0"``), remembered per device (``str`` of a
     ``torch.device`` costs more than the dictionary lookup)."""
+    key = (type(device), device)  # (True, 1 and 1.0 are equal keys with different names)
     try:
-        name = _device_names.get(device)
+        name = _device_names.get(key)
     except TypeError:  # unhashable
         return str(device)
     if name is None:
         name = str(device)
         if len(_device_names) < 64:
-            _device_names[device] = name
+            _device_names[key] = name
     return name
 
 

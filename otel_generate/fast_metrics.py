@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import sys
 import time
 from functools import reduce
 from operator import add
@@ -69,7 +70,7 @@ _CACHE_SIZE = 256
 _SCALARS = frozenset((str, bool, int, float))
 _STRINGS = frozenset((str,))
 _NUMBERS = (int, float)
-_INFINITY = math.inf
+_LARGEST = sys.float_info.max
 
 
 class _Resolved(NamedTuple):
@@ -434,7 +435,9 @@ class FastHistogram:
             else:
                 values = tuple(attributes.values())
                 types = tuple(map(type, values))
-                if _SCALARS.issuperset(types):
+                # (float values are not cached: 0.0 and -0.0 are equal keys, yet an exemplar keeps
+                # the measurement's own attributes)
+                if _SCALARS.issuperset(types) and float not in types:
                     key = (tuple(attributes), types, values)
         else:  # None or empty: kept apart (a measurement carries them as given)
             key = (attributes is None,)
@@ -541,7 +544,9 @@ class FastHistogram:
         when the filter says so), without the list; otherwise :meth:`record_many`."""
         histogram = self._histogram
         resolved = None
-        if not self.broken and type(value) in _NUMBERS and 0 <= value < _INFINITY:  # (NaN is not)
+        # (NaN is not in range; an int beyond the largest float goes to record_many, which raises
+        # the OverflowError the public path raises)
+        if not self.broken and type(value) in _NUMBERS and 0 <= value <= _LARGEST:
             try:
                 if histogram._is_enabled():
                     exemplar_filter = histogram._measurement_consumer._sdk_config.exemplar_filter

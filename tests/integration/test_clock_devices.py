@@ -76,3 +76,8 @@ def test_hf_device_map_is_read_as_getattr_reads_it():
         hf_device_map = {"": "meta"}
 
     assert clock._instance_attribute(WithItsOwn(1, 1), "hf_device_map") == {"": "meta"}
+
+
+def test_device_names_are_str_of_each_device_even_for_equal_keys():
+    for device in (1, True, 1.0, 0, False, "cpu", torch.device("cpu"), torch.device("meta")):
+        assert clock.device_name(device) == str(device)

@@ -375,3 +375,45 @@ def test_each_buckets_last_position_is_that_of_a_scan_of_every_value(values, bou
 def test_record_one_gives_what_record_gives_value_by_value(values, in_span, readers):
     public, fast, helper = _both(values, in_span=in_span, readers=readers, one_by_one=True)
     assert public == fast and not helper.broken
+
+
+def test_an_exemplar_keeps_its_own_attributes_when_they_equal_another_sets():
+    # 0.0 and -0.0 are one series for the SDK, but an exemplar keeps the measurement's own
+    # attributes (the view below drops "x" from the point, so the exemplar carries it)
+    from opentelemetry.sdk.metrics._internal.exemplar import AlwaysOnExemplarFilter
+
+    def histogram():
+        reader = InMemoryMetricReader()
+        provider = MeterProvider(
+            metric_readers=[reader],
+            views=[View(instrument_name="h", attribute_keys={"k"})],
+            exemplar_filter=AlwaysOnExemplarFilter(),
+        )
+        return provider.get_meter("t").create_histogram("h", explicit_bucket_boundaries_advisory=BUCKETS), reader
+
+    public, public_reader = histogram()
+    fast_histogram, fast_reader = histogram()
+    fast = FastHistogram.for_instrument(fast_histogram)
+    for instrument in (public, fast_histogram):
+        instrument.record(0.5, {"k": "a", "x": 0.0})
+    fast.record_one(0.8, {"k": "a", "x": 0.0})  # the first attribute set resolved (and remembered)
+    public.record(0.8, {"k": "a", "x": 0.0})
+    fast.record_one(0.08, {"k": "a", "x": -0.0})
+    public.record(0.08, {"k": "a", "x": -0.0})
+    fast.record_many([0.009], {"k": "a", "x": -0.0})
+    public.record(0.009, {"k": "a", "x": -0.0})
+    (point,) = _points(fast_reader)
+    assert _points(public_reader) == [point]
+    assert [str(attributes["x"]) for _, _, attributes in point[8]] == ["-0.0", "-0.0", "0.0"]
+
+
+def test_record_one_raises_as_record_for_an_int_beyond_the_largest_float():
+    histogram, (reader,) = _histogram()
+    fast = FastHistogram.for_instrument(histogram)
+    histogram.record(5, ATTRS)
+    with pytest.raises(OverflowError):
+        histogram.record(10**400, ATTRS)
+    with pytest.raises(OverflowError):
+        fast.record_one(10**400, ATTRS)
+    (point,) = _points(reader)
+    assert point[2] == 1 and point[3] == 5  # nothing of it recorded by either
