@@ -200,8 +200,8 @@ _checked_reservoirs: Dict[Tuple[type, type], bool] = {}
 
 def _offers_as_expected(aggregation_type: type, reservoir: Any) -> bool:
     """Whether an offer to ``reservoir`` from an ``aggregation_type`` aggregation runs exactly
-    :data:`_OFFER_SOURCES` (checked once per pair of classes): then :func:`_offer_to_bucket` does
-    what it does. Its boundaries must also be sorted (then its bucket scan finds ``bisect_left``'s
+    :data:`_OFFER_SOURCES` (:func:`_offer_code_known`): then :func:`_offer_to_bucket` does what it
+    does. Its boundaries must also be sorted (then its bucket scan finds ``bisect_left``'s
     bucket), and its buckets an SDK ``defaultdict`` of ``ExemplarBucket``."""
     from collections import defaultdict
 
@@ -209,18 +209,24 @@ def _offers_as_expected(aggregation_type: type, reservoir: Any) -> bool:
     if type(storage) is not defaultdict or not isinstance(getattr(reservoir, "_boundaries", None), (list, tuple)):
         return False
     boundaries = list(reservoir._boundaries)
-    if boundaries != sorted(boundaries):
+    if boundaries != sorted(boundaries) or storage.default_factory is not _bucket_type():
         return False
-    key = (aggregation_type, type(reservoir))
+    return _offer_code_known(aggregation_type, type(reservoir))
+
+
+def _offer_code_known(aggregation_type: type, reservoir_type: type) -> bool:
+    """Whether the classes' offer code is :data:`_OFFER_SOURCES` (read once per pair of classes;
+    :class:`FastHistogram` reads the SDK's default pair when it is made, at ``instrument()``, so
+    that no request pays for reading source files)."""
+    key = (aggregation_type, reservoir_type)
     known = _checked_reservoirs.get(key)
-    if known is None or storage.default_factory is not _bucket_type():
+    if known is None:
         try:
             bucket = _bucket_type()
             known = (
-                storage.default_factory is bucket
-                and same_code(aggregation_type._sample_exemplar, _OFFER_SOURCES["sample_exemplar"])
-                and same_code(type(reservoir).offer, _OFFER_SOURCES["reservoir_offer"])
-                and same_code(type(reservoir)._find_bucket_index, _OFFER_SOURCES["find_bucket_index"])
+                same_code(aggregation_type._sample_exemplar, _OFFER_SOURCES["sample_exemplar"])
+                and same_code(reservoir_type.offer, _OFFER_SOURCES["reservoir_offer"])
+                and same_code(reservoir_type._find_bucket_index, _OFFER_SOURCES["find_bucket_index"])
                 and same_code(bucket.offer, _OFFER_SOURCES["bucket_offer"])
                 and all(hasattr(bucket(), "_ExemplarBucket__" + name) for name in _BUCKET_FIELDS)
                 and _names_are_the_apis(bucket.offer)
@@ -354,6 +360,9 @@ class FastHistogram:
         self._cache: Dict[Any, Tuple[Any, int, _Resolved]] = {}
         self._sample_exemplar = _Aggregation._sample_exemplar  # offers to the reservoir only when told to
         self.broken = False
+        # the SDK code checks of the default aggregation and reservoir, read now (at instrument())
+        _aggregates_as_expected(_ExplicitBucketHistogramAggregation)
+        _offer_code_known(_ExplicitBucketHistogramAggregation, AlignedHistogramBucketExemplarReservoir)
 
     @classmethod
     def for_instrument(cls, histogram: Any) -> Optional["FastHistogram"]:
