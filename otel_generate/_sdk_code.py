@@ -2,7 +2,9 @@
 
 :mod:`otel_generate.fast_metrics` and :mod:`otel_generate.fast_spans` repeat the effect of a few
 SDK functions without calling them, and only while the installed SDK's functions are the code
-they know: compared here as ``ast.unparse`` writes it, docstrings, comments and layout left out.
+they know, and :mod:`otel_generate.clock` reads transformers' ``device`` property only where it
+is the code it knows: compared here as ``ast.unparse`` writes it, docstrings, comments and layout
+left out.
 """
 
 from __future__ import annotations

@@ -187,22 +187,17 @@ def model_device(model: Any) -> Any:
 
 def _reads_first_parameter(cls: type) -> bool:
     try:
-        import ast
         import inspect
-        import textwrap
 
         import torch
 
+        from otel_generate._sdk_code import same_code
+
         module = torch.nn.Module
         device = inspect.getattr_static(cls, "device", None)
-        source = inspect.getsource(device.fget)  # type: ignore[union-attr]
-        tree = ast.parse(textwrap.dedent(source))
-        body = tree.body[0].body  # type: ignore[attr-defined]
-        if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
-            del body[0]  # the docstring
         return (
             isinstance(device, property)
-            and ast.unparse(tree) == ast.unparse(ast.parse(_FIRST_PARAMETER_DEVICE))
+            and same_code(device.fget, _FIRST_PARAMETER_DEVICE)
             and all(
                 getattr(cls, name) is getattr(module, name)
                 for name in ("parameters", "named_parameters", "_named_members", "named_modules")
