@@ -117,8 +117,6 @@ def _aggregates_as_expected(cls: type) -> bool:
     known = _checked_classes.get(cls)
     if known is None:
         try:
-            import sys
-
             function = cls.__dict__["aggregate"]
             namespace = vars(sys.modules[function.__module__])
             known = (
@@ -239,7 +237,6 @@ def _offer_code_known(aggregation_type: type, reservoir_type: type) -> bool:
 
 def _names_are_the_apis(function: Any) -> bool:
     """Whether the ``trace`` and ``INVALID_SPAN`` that ``function``'s module names are the API's."""
-    import sys
 
     from opentelemetry import trace
 
