@@ -7,7 +7,9 @@ in turn:
 
 1. sets it up once (plain: nothing; instrumented: ``GenerateInstrumentor().instrument()`` with an
    SDK ``TracerProvider`` + ``BatchSpanProcessor`` + the ``--exporter`` and an SDK
-   ``MeterProvider``, kept for all its calls), then runs ``--warmup`` calls;
+   ``MeterProvider``, kept for all its calls), then runs ``--warmup`` calls. The processor
+   exports when a batch is full or at a flush, not on its 5 s timer (:func:`span_processor`:
+   under valgrind the timer would fire about 50 times as often per call as natively);
 2. runs ``K_lo`` calls (``--calls-low``, default 2), then flushes the providers (the span export
    and the metric collection those calls deferred are counted with them);
 3. runs ``K_hi`` calls (``--calls-high``, default 18) the same way;
@@ -105,6 +107,26 @@ SINGLE_THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_N
 #: every run: with a random seed, two runs of one configuration differed by up to 1 M
 #: instructions per call.
 HASH_SEED_ENV = {"PYTHONHASHSEED": "0"}
+#: The ``BatchSpanProcessor``'s ``schedule_delay_millis`` in the process under valgrind: one day,
+#: so the processor exports when its batch is full (512 spans) or at a part's flush, never on its
+#: timer. Under valgrind a call runs about 50 times slower, so the SDK's 5 s timer would wake the
+#: export thread about 50 times as often per call as it does natively: measured with jemalloc
+#: (``tiny GPT-2``, 128 tokens), a provider whose processor has the 5 s timer, uninstrumented, added
+#: +0.26 M instructions per call to plain ``generate()``, and the unsampled configuration read
+#: +2.5 M added per call with the 5 s timer against +1.8 M with this delay.
+EXPORT_DELAY_MILLIS = 86_400_000
+
+
+def span_processor(exporter: Any) -> Any:
+    """The SDK ``BatchSpanProcessor`` for ``exporter`` that the process under valgrind uses.
+
+    Its timer is :data:`EXPORT_DELAY_MILLIS` (one day): spans are exported when a batch of 512 is
+    queued or when the part's ``force_flush()`` runs, so the export's instructions do not depend
+    on how long valgrind takes. The queue and batch sizes are the SDK's defaults.
+    """
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    return BatchSpanProcessor(exporter, schedule_delay_millis=EXPORT_DELAY_MILLIS)
 
 
 def parse_configurations(text: Optional[str]) -> List[str]:
@@ -305,7 +327,9 @@ def result_document(
             "one process under valgrind --tool=callgrind; per configuration: set up once, "
             f"warmup, then {config.calls_low} calls + flush and {config.calls_high} calls + flush, each part in a "
             f"callgrind dump of its own (os.getloadavg() marks the borders, --dump-before={MARKER}); "
-            "instructions per call = (Ir(high) - Ir(low)) / (calls_high - calls_low), Ir summed over all threads"
+            "instructions per call = (Ir(high) - Ir(low)) / (calls_high - calls_low), Ir summed over all threads; "
+            f"BatchSpanProcessor(schedule_delay_millis={EXPORT_DELAY_MILLIS}): spans exported when 512 are queued "
+            "or at the flush, not on a timer"
         ),
         "environment": dict(SINGLE_THREAD_ENV, **HASH_SEED_ENV, torch_threads=config.threads),
         "machine": machine("cpu"),

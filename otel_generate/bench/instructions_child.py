@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 from otel_generate.bench.config import BenchConfig
 from otel_generate.bench.environment import versions
 from otel_generate.bench.exporters import make_exporters
-from otel_generate.bench.instructions import CONFIGURATIONS
+from otel_generate.bench.instructions import CONFIGURATIONS, span_processor
 from otel_generate.bench.workload import Runner, model_description, sequences_of
 from otel_generate.options import STEP_SPANS_NONE, STEP_SPANS_SLOW
 
@@ -34,7 +34,6 @@ def main(spec_path: str) -> None:
     torch.set_num_threads(config.threads)
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 
     from otel_generate import GenerateInstrumentor
@@ -55,7 +54,7 @@ def main(spec_path: str) -> None:
         if options is not None:
             exporter, reader = make_exporters(config.exporter)
             tracer_provider = TracerProvider() if sampled else TracerProvider(sampler=ParentBased(ALWAYS_OFF))
-            tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
+            tracer_provider.add_span_processor(span_processor(exporter))
             meter_provider = MeterProvider(metric_readers=[reader])
             instrumentor = GenerateInstrumentor()
             instrumentor.instrument(

@@ -71,3 +71,26 @@ def test_difference_method_from_dumps():
     assert unsampled["instructions_per_call"] == 1130
     assert unsampled["added_per_call"] == 130 and unsampled["added_percent"] == pytest.approx(13.0)
     assert unsampled["added_per_step"] == 32.5
+
+
+def test_span_processor_exports_at_flush_not_on_the_sdk_timer():
+    """The processor under valgrind exports at a flush (or a full batch), never after the SDK's 5 s timer."""
+    import time
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    processor = instructions.span_processor(exporter)
+    assert isinstance(processor, BatchSpanProcessor)
+    provider = TracerProvider()
+    provider.add_span_processor(processor)
+    try:
+        provider.get_tracer("test").start_span("request").end()
+        time.sleep(5.5)  # past the SDK's default schedule_delay_millis (5000)
+        assert exporter.get_finished_spans() == ()
+        assert provider.force_flush()
+        assert [span.name for span in exporter.get_finished_spans()] == ["request"]
+    finally:
+        provider.shutdown()
