@@ -5,8 +5,9 @@ counts do not depend on what else the machine runs. This mode runs one Python pr
 valgrind's callgrind (:mod:`otel_generate.bench.instructions_child`) that, for each configuration
 in turn:
 
-1. sets it up once (plain: nothing; instrumented: ``GenerateInstrumentor().instrument()`` with an
-   SDK ``TracerProvider`` + ``BatchSpanProcessor`` + the ``--exporter`` and an SDK
+1. sets it up once (plain: nothing; ``plain-sdk``: the SDK providers below, nothing
+   instrumented; instrumented: ``GenerateInstrumentor().instrument()`` with an SDK
+   ``TracerProvider`` + ``BatchSpanProcessor`` + the ``--exporter`` and an SDK
    ``MeterProvider``, kept for all its calls), then runs ``--warmup`` calls. The processor
    exports when a batch is full or at a flush, not on its 5 s timer (:func:`span_processor`:
    under valgrind the timer would fire about 50 times as often per call as natively);
@@ -67,6 +68,12 @@ from otel_generate.options import STEP_SPANS_NONE, STEP_SPANS_SLOW
 #: ``name: (description, instrument() keywords, sampled)``; ``plain`` is uninstrumented.
 CONFIGURATIONS: Dict[str, Tuple[str, Optional[Dict[str, Any]], bool]] = {
     "plain": ("plain generate(): GenerationMixin.generate uninstrumented", None, True),
+    "plain-sdk": (
+        "plain generate(), uninstrumented, with the SDK providers of the instrumented configurations set up "
+        "(their span processor's thread alive): the baseline the instrumentation adds to",
+        None,
+        True,
+    ),
     "all-step-spans": ("instrumented, every step a span (the default options)", {}, True),
     "max-step-spans-0": (
         "instrumented, max_step_spans=0: the request span and metrics, no step span",
@@ -94,6 +101,14 @@ CONFIGURATIONS: Dict[str, Tuple[str, Optional[Dict[str, Any]], bool]] = {
         False,
     ),
 }
+#: Uninstrumented configurations that still set up the SDK providers (a ``TracerProvider`` with
+#: :func:`span_processor`, a ``MeterProvider``). A second thread in the process (the processor's)
+#: makes glibc take its multi-threaded paths: every GIL hand-over around torch's operators then
+#: costs a few instructions more, about 0.3 M per call of the tiny GPT-2 (the same 1.82 M
+#: ``pthread_mutex_unlock`` calls in ``take_gil``/``drop_gil`` per 18 calls, 23 instructions each
+#: single-threaded, 26 with the thread). A process with OpenTelemetry set up pays that whether or
+#: not ``generate()`` is instrumented.
+PROVIDERS_ONLY = frozenset({"plain-sdk"})
 DEFAULT_NEW_TOKENS = 128
 DEFAULT_CALLS_LOW = 2
 DEFAULT_CALLS_HIGH = 18
@@ -292,6 +307,7 @@ def result_document(
     span = config.calls_high - config.calls_low
     rows: List[Dict[str, Any]] = []
     plain: Optional[Dict[str, Any]] = None
+    baseline: Optional[Dict[str, Any]] = None  # plain-sdk's row, when it ran
     for name in child["configurations"]:
         info = child["runs"][name]
         total_low, total_high = part[f"{name} low"], part[f"{name} high"]
@@ -316,6 +332,12 @@ def result_document(
             row["added_per_call"] = added
             row["added_percent"] = 100.0 * added / plain["instructions_per_call"]
             row["added_per_step"] = added / steps if steps else None
+        if name in PROVIDERS_ONLY:
+            baseline = row
+        elif baseline is not None and name != "plain":
+            added = per_call - baseline["instructions_per_call"]
+            row["added_over_sdk_per_call"] = added
+            row["added_over_sdk_percent"] = 100.0 * added / baseline["instructions_per_call"]
         rows.append(row)
     return {
         "mode": "instructions",
@@ -360,10 +382,12 @@ def summary_text(result: Dict[str, Any]) -> str:
         f"{result['environment']['torch_threads']} torch thread(s)",
         f"  callgrind, difference of {result['calls_high']} and {result['calls_low']} calls; Ir of all threads; "
         f"exporter {result['exporter']}",
-        f"  {'configuration':<22}{'per call':>14}{'per step':>12}{'added/call':>14}{'added':>9}{'added/step':>12}",
+        f"  {'configuration':<22}{'per call':>14}{'per step':>12}{'added/call':>14}{'added':>9}{'added/step':>12}"
+        f"{'over plain-sdk':>16}",
     ]
     for row in result["configurations"]:
         added = row.get("added_per_call")
+        over_sdk = row.get("added_over_sdk_per_call")
         lines.append(
             f"  {row['configuration']:<22}{row['instructions_per_call']:>14,.0f}"
             f"{(row['instructions_per_step'] or 0):>12,.0f}"
@@ -372,6 +396,7 @@ def summary_text(result: Dict[str, Any]) -> str:
                 if added is not None
                 else ""
             )
+            + (f"{row['added_over_sdk_percent']:>+15.3f}%" if over_sdk is not None else "")
         )
     mismatched = [
         row["configuration"]

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 from otel_generate.bench.config import BenchConfig
 from otel_generate.bench.environment import versions
 from otel_generate.bench.exporters import make_exporters
-from otel_generate.bench.instructions import CONFIGURATIONS, span_processor
+from otel_generate.bench.instructions import CONFIGURATIONS, PROVIDERS_ONLY, span_processor
 from otel_generate.bench.workload import Runner, model_description, sequences_of
 from otel_generate.options import STEP_SPANS_NONE, STEP_SPANS_SLOW
 
@@ -51,11 +51,12 @@ def main(spec_path: str) -> None:
     for name in spec["configurations"]:
         _, options, sampled = CONFIGURATIONS[name]
         instrumentor = tracer_provider = meter_provider = exporter = None
-        if options is not None:
+        if options is not None or name in PROVIDERS_ONLY:
             exporter, reader = make_exporters(config.exporter)
             tracer_provider = TracerProvider() if sampled else TracerProvider(sampler=ParentBased(ALWAYS_OFF))
             tracer_provider.add_span_processor(span_processor(exporter))
             meter_provider = MeterProvider(metric_readers=[reader])
+        if options is not None:
             instrumentor = GenerateInstrumentor()
             instrumentor.instrument(
                 tracer_provider=tracer_provider, meter_provider=meter_provider, skip_dep_check=True, **options
@@ -104,6 +105,7 @@ def main(spec_path: str) -> None:
         }
         if instrumentor is not None:
             instrumentor.uninstrument()
+        if tracer_provider is not None:
             tracer_provider.shutdown()
             meter_provider.shutdown()
         gc.collect()

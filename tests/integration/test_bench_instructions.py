@@ -35,8 +35,12 @@ def test_instructions_counts_what_the_instrumentation_adds(tmp_path, capsys):
         if row["spans_expected_per_call"] is not None:
             assert row["spans_per_call"] == row["spans_expected_per_call"], name
         if name != "plain":
-            assert row["added_per_call"] > 0, name
             assert row["added_percent"] == pytest.approx(100 * row["added_per_call"] / plain["instructions_per_call"])
+        if name not in ("plain", "plain-sdk"):  # the instrumented ones: more than plain, and than plain with the SDK
+            assert row["added_per_call"] > 0, name
+            over_sdk = row["instructions_per_call"] - rows["plain-sdk"]["instructions_per_call"]
+            assert row["added_over_sdk_per_call"] == pytest.approx(over_sdk) and over_sdk > 0, name
+    assert rows["plain-sdk"]["spans_per_call"] == 0 and "added_over_sdk_per_call" not in rows["plain-sdk"]
     assert rows["all-step-spans"]["spans_per_call"] == 17 and rows["unsampled"]["spans_per_call"] == 0
     err = capsys.readouterr().err
     assert "instructions are not time" in err and "all-step-spans" in err

@@ -45,6 +45,7 @@ def test_without_valgrind_exits_2_and_says_so(monkeypatch, tmp_path, capsys):
 def test_configurations_are_kept_in_order_with_plain_first():
     assert instructions.parse_configurations("unsampled,all-step-spans") == ["plain", "all-step-spans", "unsampled"]
     assert instructions.parse_configurations(None) == list(instructions.CONFIGURATIONS)
+    assert instructions.parse_configurations("unsampled,plain-sdk") == ["plain", "plain-sdk", "unsampled"]
 
 
 def test_difference_method_from_dumps():
@@ -71,6 +72,35 @@ def test_difference_method_from_dumps():
     assert unsampled["instructions_per_call"] == 1130
     assert unsampled["added_per_call"] == 130 and unsampled["added_percent"] == pytest.approx(13.0)
     assert unsampled["added_per_step"] == 32.5
+    assert "added_over_sdk_per_call" not in unsampled  # plain-sdk did not run
+
+
+def test_added_over_plain_sdk_when_it_ran():
+    config = BenchConfig(instructions=True, calls_low=2, calls_high=6, new_tokens=4)
+    names = ["plain", "plain-sdk", "unsampled"]
+    parts = ["setup", "low", "gc after low", "high", "gc after high", "teardown"]
+    labels = [f"{name} {part}" for name in names for part in parts]
+    dumps = {i + 1: 10_000_000 for i in range(len(labels))}
+    for block, per_call in enumerate((1000, 1010, 1130)):  # low: 2 calls, high: 6 calls, 50 once each
+        dumps[6 * block + 2], dumps[6 * block + 4] = 2 * per_call + 50, 6 * per_call + 50
+    child = {
+        "configurations": names,
+        "runs": {
+            name: {"steps": 4, "spans_per_call": 0, "spans_expected_per_call": 0, "outputs_identical": True}
+            for name in names
+        },
+        "versions": {},
+        "model": "m",
+        "parameters": 1,
+    }
+    doc = instructions.result_document(config, child, dumps, labels)
+    plain, sdk, unsampled = doc["configurations"]
+    assert sdk["added_per_call"] == 10 and "added_over_sdk_per_call" not in sdk
+    assert unsampled["added_per_call"] == 130
+    assert unsampled["added_over_sdk_per_call"] == 120
+    assert unsampled["added_over_sdk_percent"] == pytest.approx(100 * 120 / 1010)
+    text = instructions.summary_text(doc | {"environment": {"torch_threads": 1}, "exporter": "discard"})
+    assert "over plain-sdk" in text and "+11.881%" in text
 
 
 def test_span_processor_exports_at_flush_not_on_the_sdk_timer():
