@@ -166,8 +166,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--instructions",
         action="store_true",
         help="count instructions instead of time: valgrind's callgrind, one process, each configuration set up "
-        "once, (Ir(--calls-high calls) - Ir(--calls-low calls)) / (high - low) per call; plain, instrumented "
-        "(the --compare configurations) and unsampled; BLAS/OpenMP on one thread; needs valgrind",
+        "once, (Ir(--calls-high calls) - Ir(--calls-low calls)) / (high - low) per call; plain, plain with the "
+        "SDK set up, instrumented (the --compare configurations) and unsampled; BLAS/OpenMP on one thread; "
+        "needs valgrind",
     )
     parser.add_argument(
         "--calls-low",

@@ -65,7 +65,8 @@ from otel_generate.bench.config import BenchConfig, BenchUsageError, require_mod
 from otel_generate.bench.environment import machine
 from otel_generate.options import STEP_SPANS_NONE, STEP_SPANS_SLOW
 
-#: ``name: (description, instrument() keywords, sampled)``; ``plain`` is uninstrumented.
+#: ``name: (description, instrument() keywords, sampled)``; ``plain`` and ``plain-sdk`` (see
+#: :data:`PROVIDERS_ONLY`) are uninstrumented.
 CONFIGURATIONS: Dict[str, Tuple[str, Optional[Dict[str, Any]], bool]] = {
     "plain": ("plain generate(): GenerationMixin.generate uninstrumented", None, True),
     "plain-sdk": (
@@ -106,8 +107,8 @@ CONFIGURATIONS: Dict[str, Tuple[str, Optional[Dict[str, Any]], bool]] = {
 #: makes glibc take its multi-threaded paths: every GIL hand-over around torch's operators then
 #: costs a few instructions more, about 0.3 M per call of the tiny GPT-2 (the same 1.82 M
 #: ``pthread_mutex_unlock`` calls in ``take_gil``/``drop_gil`` per 18 calls, 23 instructions each
-#: single-threaded, 26 with the thread). A process with OpenTelemetry set up pays that whether or
-#: not ``generate()`` is instrumented.
+#: single-threaded, 26 with the thread; ``plain-sdk`` read 0.66 M over ``plain`` in all, BENCHMARKS.md
+#: run M). A process with OpenTelemetry set up pays that whether or not ``generate()`` is instrumented.
 PROVIDERS_ONLY = frozenset({"plain-sdk"})
 DEFAULT_NEW_TOKENS = 128
 DEFAULT_CALLS_LOW = 2
