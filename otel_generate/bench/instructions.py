@@ -129,7 +129,8 @@ HASH_SEED_ENV = {"PYTHONHASHSEED": "0"}
 #: export thread about 50 times as often per call as it does natively: measured with jemalloc
 #: (``tiny GPT-2``, 128 tokens), a provider whose processor has the 5 s timer, uninstrumented, added
 #: +0.26 M instructions per call to plain ``generate()``, and the unsampled configuration read
-#: +2.5 M added per call with the 5 s timer against +1.8 M with this delay.
+#: +2.6 M added per call with the 5 s timer against +2.0 M with this delay (means of the 5-6
+#: calls after the first, one callgrind dump per call, ``benchmarks/callgrind_each_call.py``).
 EXPORT_DELAY_MILLIS = 86_400_000
 
 
