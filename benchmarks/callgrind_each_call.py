@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import glob
 import json
 import os
 import subprocess
 import sys
 import tempfile
+
+from otel_generate.bench import instructions
 
 CONFIGS = ("plain", "plain-sdk", "unsampled", "step-spans-off", "sampled")
 
@@ -81,7 +82,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.n < 1:
         parser.error("N must be at least 1")
-    env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env = dict(os.environ, **instructions.SINGLE_THREAD_ENV, **instructions.HASH_SEED_ENV)
     with tempfile.TemporaryDirectory() as folder:
         prefix = os.path.join(folder, "callgrind.out")
         done = subprocess.run(
@@ -106,13 +107,7 @@ def main() -> int:
             sys.stderr.write(done.stderr)
             return done.returncode
         collections = json.loads(done.stdout.strip().splitlines()[-1])
-        counts = {}
-        for path in glob.glob(prefix + ".*"):
-            with open(path, encoding="utf-8") as handle:
-                for line in handle:
-                    if line.startswith(("summary:", "totals:")):
-                        counts[int(path.rsplit(".", 1)[1])] = int(line.split()[1])
-                        break
+        counts = instructions.read_dumps(prefix)
     # dump 1: start, imports, set-up, warm-up; dump k + 1: call k
     for call in range(1, args.n + 1):
         print(f"{args.config} call {call}: {counts[call + 1]:,} instructions, collections {collections[call - 1]}")
