@@ -8,17 +8,28 @@ exporter and an SDK ``MeterProvider`` with an ``InMemoryMetricReader`` either wa
 tiny GPT-2, prompt 4, 128 new tokens, greedy, EOS off, one thread, ``PYTHONHASHSEED=0``.
 
 How: callgrind counts only while collection is on, and ``--toggle-collect=FUNCTION`` flips it on
-every entry to and exit from ``FUNCTION``. Each hook the instrumentor installs on
-``GenerationMixin`` (``generate``, ``_prepare_generated_length``, ``_get_stopping_criteria``,
-``_get_candidate_generator``, ``_prepare_cache_for_generation``) and the per-step
-``RecordingCriteriaList.__call__`` is entered through ``operator.call`` (C ``_operator_call``:
-on), and the original each one calls is entered through ``itertools.starmap`` (C
-``starmap_next``: off again until it returns). Nothing else in a ``generate()`` call uses either,
-so the count is the hooks' own work: the request's set-up, every step's recording, the accounting,
-the derivation and the emission (span and metrics), with the Python calls into them. Not counted:
-work the instrumentation causes outside its hooks (``force_flush``'s export on the processor's
-thread, allocator and garbage-collector effects on the model's own code), which the difference
-method of ``otel-generate bench --instructions`` includes, with its run-to-run spread.
+the outermost entry to and exit from ``FUNCTION`` only: an entry while ``FUNCTION`` is already
+running further up the stack flips nothing (so one pair of toggles cannot count a hook that runs
+inside the original another hook calls). Two pairs are used:
+
+- the ``GenerationMixin.generate`` hook is entered through ``operator.call`` (C ``_operator_call``:
+  on) and calls transformers' ``generate`` through ``itertools.starmap`` (C ``starmap_next``: off
+  until it returns);
+- the hooks transformers' ``generate`` reaches (``_prepare_generated_length``,
+  ``_get_stopping_criteria``, ``_get_candidate_generator``, ``_prepare_cache_for_generation``, and
+  every step's ``RecordingCriteriaList.__call__``) are entered through ``itertools.filterfalse``
+  (C ``filterfalse_next``: on) and call their originals (and ``StoppingCriteriaList.__call__``)
+  through ``itertools.dropwhile`` (C ``dropwhile_next``: off).
+
+Nothing else in a ``generate()`` call uses these four, so the count is the hooks' own work: the
+request's set-up, every step's recording, the accounting, the derivation and the emission (span
+and metrics), with the Python calls into them. The wrappers that switch collection off run partly
+while it is on; what they cost is counted once more, around a function that does nothing
+(the same wrappers, 1,000 times each), and subtracted per original called. Printed: the raw
+count, the wrappers' share and what is left, per call. Not counted: work the instrumentation
+causes outside its hooks (``force_flush``'s export on the processor's thread, allocator and
+garbage-collector effects on the model's own code), which the difference method of
+``otel-generate bench --instructions`` includes, with its run-to-run spread.
 
 After 3 warm-up calls, ``gc.collect()`` and ``gc.disable()`` (a collection's cost would land in
 whichever code allocates when its threshold is crossed, in or out of the hooks, differently in
@@ -31,21 +42,32 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import operator
+import os
 import sys
-from itertools import starmap
+import tempfile
+from itertools import dropwhile, filterfalse, starmap
 
 import callgrind_toggled  # noqa: E402  (benchmarks/, the script's own folder)
 import callgrind_workload  # noqa: E402
 
 CONFIGS = ("unsampled", "step-spans-off", "sampled")
+TOGGLES = (
+    "--toggle-collect=_operator_call",
+    "--toggle-collect=starmap_next",
+    "--toggle-collect=filterfalse_next",
+    "--toggle-collect=dropwhile_next",
+)
 HOOK_FACTORIES = (
-    "make_generate",
     "make_prepare_generated_length",
     "make_get_stopping_criteria",
     "make_get_candidate_generator",
     "make_prepare_cache_for_generation",
 )
+#: originals called through each kind of off-wrapper during the counted calls
+CALLS = {"outer": 0, "inner": 0}
+CALIBRATION_CALLS = 1000
 
 
 def counted(function):
@@ -63,47 +85,100 @@ def not_counted(function):
 
     @functools.wraps(function)
     def enter(*args, **kwargs):
+        CALLS["outer"] += 1
         return next(starmap(lambda: function(*args, **kwargs), [()]))
 
     return enter
 
 
-def child(config: str, n: int, folder: str) -> None:
+def counted_inner(function):
+    """``function``, reached inside a ``not_counted`` original, run with collection flipped on
+    (entered through ``filterfalse_next``)."""
+
+    @functools.wraps(function)
+    def enter(*args, **kwargs):
+        out = []
+        next(filterfalse(lambda _: out.append(function(*args, **kwargs)), (0,)))
+        return out[0]
+
+    return enter
+
+
+def not_counted_inner(function):
+    """``function`` called from a ``counted_inner`` hook, run with collection flipped off (entered
+    through ``dropwhile_next``)."""
+
+    @functools.wraps(function)
+    def enter(*args, **kwargs):
+        CALLS["inner"] += 1
+        out = []
+        next(dropwhile(lambda _: out.append(function(*args, **kwargs)), (0,)))
+        return out[0]
+
+    return enter
+
+
+def child(config: str, n: int, calls_path: str, folder: str) -> None:
+    if config in ("outer", "inner"):  # calibration: an off-wrapper around nothing, entered as in a hook
+        if config == "outer":
+            wrapped = counted(not_counted(lambda: None))
+        else:
+            wrapped = counted_inner(not_counted_inner(lambda: None))
+        gc.collect()
+        gc.disable()
+        callgrind_toggled.counted_stretch(folder, lambda: [wrapped() for _ in range(n)])
+        return
     from transformers.generation.stopping_criteria import StoppingCriteriaList
 
     from otel_generate.integrations import generate_loop, step_hook
 
-    def counting_factory(make):
-        def factory(original, telemetry):
-            return counted(make(not_counted(original), telemetry))
+    make_generate = generate_loop.make_generate
+    generate_loop.make_generate = lambda original, telemetry: counted(make_generate(not_counted(original), telemetry))
 
-        return factory
+    def inner_factory(make):
+        return lambda original, telemetry: counted_inner(make(not_counted_inner(original), telemetry))
 
     for name in HOOK_FACTORIES:  # each hook counted, the original it calls not
-        setattr(generate_loop, name, counting_factory(getattr(generate_loop, name)))
-    step_hook.RecordingCriteriaList.__call__ = counted(step_hook.RecordingCriteriaList.__call__)
-    StoppingCriteriaList.__call__ = not_counted(StoppingCriteriaList.__call__)
+        setattr(generate_loop, name, inner_factory(getattr(generate_loop, name)))
+    step_hook.RecordingCriteriaList.__call__ = counted_inner(step_hook.RecordingCriteriaList.__call__)
+    StoppingCriteriaList.__call__ = not_counted_inner(StoppingCriteriaList.__call__)
 
     options = {"max_step_spans": 0} if config == "step-spans-off" else {}
     call = callgrind_workload.tiny_gpt2_calls(config != "unsampled", options)  # (3 warm-up calls)
     gc.collect()
     gc.disable()  # a collection would land in whichever code allocates when the threshold is crossed
+    CALLS.update(outer=0, inner=0)
     callgrind_toggled.counted_stretch(folder, lambda: [call() for _ in range(n)])
+    with open(calls_path, "w", encoding="utf-8") as handle:
+        json.dump(CALLS, handle)
 
 
 def main() -> int:
     if sys.argv[1] == "--child":
-        child(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+        child(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
         return 0
     config, n = sys.argv[1], int(sys.argv[2])
     if config not in CONFIGS or n < 1:
         raise SystemExit(f"usage: callgrind_own_code.py {{{','.join(CONFIGS)}}} N (N >= 1)")
-    toggles = ("--toggle-collect=_operator_call", "--toggle-collect=starmap_next")
-    collected = callgrind_toggled.count(__file__, (config, str(n)), toggles)
-    if collected is None:
-        print(config, n, "unknown")
-        return 1
-    print(f"{config}: {collected / n:,.0f} instructions per call in the instrumentation's own hooks ({n} calls)")
+    with tempfile.TemporaryDirectory() as scratch:
+        calls_path = os.path.join(scratch, "calls.json")
+        each = {}
+        for kind in CALLS:  # what one off-wrapper of each kind counts, around nothing
+            counted_wrappers = callgrind_toggled.count(__file__, (kind, str(CALIBRATION_CALLS), calls_path), TOGGLES)
+            each[kind] = None if counted_wrappers is None else counted_wrappers / CALIBRATION_CALLS
+        collected = callgrind_toggled.count(__file__, (config, str(n), calls_path), TOGGLES)
+        if collected is None or None in each.values():
+            print(config, n, "unknown")
+            return 1
+        with open(calls_path, encoding="utf-8") as handle:
+            calls = json.load(handle)
+    wrappers = sum(each[kind] * calls[kind] for kind in CALLS)
+    print(
+        f"{config}: {(collected - wrappers) / n:,.0f} instructions per call in the instrumentation's own hooks "
+        f"({n} calls; counted {collected / n:,.0f}, less {wrappers / n:,.0f} for the off-wrappers: "
+        + ", ".join(f"{calls[kind] / n:,.0f} {kind} at {each[kind]:,.0f}" for kind in CALLS)
+        + " per call)"
+    )
     return 0
 
 
