@@ -16,8 +16,9 @@ inside the original another hook calls). Two pairs are used:
   on) and calls transformers' ``generate`` through ``itertools.starmap`` (C ``starmap_next``: off
   until it returns);
 - the hooks transformers' ``generate`` reaches (``_prepare_generated_length``,
-  ``_get_stopping_criteria``, ``_get_candidate_generator``, ``_prepare_cache_for_generation``, and
-  every step's ``RecordingCriteriaList.__call__``) are entered through ``itertools.filterfalse``
+  ``_get_stopping_criteria``, ``_prepare_cache_for_generation``, every step's
+  ``RecordingCriteriaList.__call__``, and ``_get_candidate_generator``, which greedy decoding
+  does not reach) are entered through ``itertools.filterfalse``
   (C ``filterfalse_next``: on) and call their originals (and ``StoppingCriteriaList.__call__``)
   through ``itertools.dropwhile`` (C ``dropwhile_next``: off).
 
@@ -154,12 +155,12 @@ def child(config: str, n: int, calls_path: str, folder: str) -> None:
 
 
 def main() -> int:
-    if sys.argv[1] == "--child":
+    if sys.argv[1:2] == ["--child"]:
         child(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
         return 0
-    config, n = sys.argv[1], int(sys.argv[2])
-    if config not in CONFIGS or n < 1:
+    if len(sys.argv) != 3 or sys.argv[1] not in CONFIGS or not sys.argv[2].isdigit() or int(sys.argv[2]) < 1:
         raise SystemExit(f"usage: callgrind_own_code.py {{{','.join(CONFIGS)}}} N (N >= 1)")
+    config, n = sys.argv[1], int(sys.argv[2])
     with tempfile.TemporaryDirectory() as scratch:
         calls_path = os.path.join(scratch, "calls.json")
         each = {}

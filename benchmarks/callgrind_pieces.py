@@ -176,10 +176,16 @@ def run(config: str, pieces: str, n: int) -> List[tuple]:
 
 
 def main() -> int:
-    if sys.argv[1] == "--child":
+    if sys.argv[1:2] == ["--child"]:
         child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
         return 0
-    if len(sys.argv) != 4 or sys.argv[1] not in CONFIGS or sys.argv[2] not in SETS or not sys.argv[3].isdigit():
+    if (
+        len(sys.argv) != 4
+        or sys.argv[1] not in CONFIGS
+        or sys.argv[2] not in SETS
+        or not sys.argv[3].isdigit()
+        or int(sys.argv[3]) < 1
+    ):
         raise SystemExit(f"usage: callgrind_pieces.py {{{','.join(CONFIGS)}}} {{{','.join(SETS)}}} N (N >= 1)")
     config, pieces, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     wrapper = sum(count for _, count in run("calibrate", "-", CALIBRATION_CALLS)) / CALIBRATION_CALLS
