@@ -47,7 +47,6 @@ import json
 import operator
 import os
 import sys
-import tempfile
 from itertools import dropwhile, filterfalse, starmap
 
 import callgrind_toggled  # noqa: E402  (benchmarks/, the script's own folder)
@@ -119,7 +118,7 @@ def not_counted_inner(function):
     return enter
 
 
-def child(config: str, n: int, calls_path: str, folder: str) -> None:
+def child(config: str, n: int, folder: str) -> None:
     if config in ("outer", "inner"):  # calibration: an off-wrapper around nothing, entered as in a hook
         if config == "outer":
             wrapped = counted(not_counted(lambda: None))
@@ -150,29 +149,30 @@ def child(config: str, n: int, calls_path: str, folder: str) -> None:
     gc.disable()  # a collection would land in whichever code allocates when the threshold is crossed
     CALLS.update(outer=0, inner=0)
     callgrind_toggled.counted_stretch(folder, lambda: [call() for _ in range(n)])
-    with open(calls_path, "w", encoding="utf-8") as handle:
+    with open(os.path.join(folder, "calls.json"), "w", encoding="utf-8") as handle:
         json.dump(CALLS, handle)
 
 
 def main() -> int:
     if sys.argv[1:2] == ["--child"]:
-        child(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
+        child(sys.argv[2], int(sys.argv[3]), sys.argv[4])
         return 0
     if len(sys.argv) != 3 or sys.argv[1] not in CONFIGS or not sys.argv[2].isdigit() or int(sys.argv[2]) < 1:
         raise SystemExit(f"usage: callgrind_own_code.py {{{','.join(CONFIGS)}}} N (N >= 1)")
     config, n = sys.argv[1], int(sys.argv[2])
-    with tempfile.TemporaryDirectory() as scratch:
-        calls_path = os.path.join(scratch, "calls.json")
-        each = {}
-        for kind in CALLS:  # what one off-wrapper of each kind counts, around nothing
-            counted_wrappers = callgrind_toggled.count(__file__, (kind, str(CALIBRATION_CALLS), calls_path), TOGGLES)
-            each[kind] = None if counted_wrappers is None else counted_wrappers / CALIBRATION_CALLS
-        collected = callgrind_toggled.count(__file__, (config, str(n), calls_path), TOGGLES)
-        if collected is None or None in each.values():
-            print(config, n, "unknown")
-            return 1
-        with open(calls_path, encoding="utf-8") as handle:
-            calls = json.load(handle)
+    each = {}
+    for kind in CALLS:  # what one off-wrapper of each kind counts, around nothing
+        counted_wrappers = callgrind_toggled.count(__file__, (kind, str(CALIBRATION_CALLS)), TOGGLES)
+        each[kind] = None if counted_wrappers is None else counted_wrappers / CALIBRATION_CALLS
+
+    def read(folder: str) -> tuple:
+        with open(os.path.join(folder, "calls.json"), encoding="utf-8") as handle:
+            return callgrind_toggled.collected(folder), json.load(handle)
+
+    collected, calls = callgrind_toggled.run_stretch(__file__, (config, str(n)), TOGGLES, read)
+    if collected is None or None in each.values():
+        print(config, n, "unknown")
+        return 1
     wrappers = sum(each[kind] * calls[kind] for kind in CALLS)
     print(
         f"{config}: {(collected - wrappers) / n:,.0f} instructions per call in the instrumentation's own hooks "

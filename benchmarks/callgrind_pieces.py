@@ -33,17 +33,14 @@ import gc
 import json
 import operator
 import os
-import subprocess
 import sys
-import tempfile
 from collections import defaultdict
-from itertools import starmap
 from typing import Callable, List
 
 import callgrind_toggled  # noqa: E402  (benchmarks/, the script's own folder)
 import callgrind_workload  # noqa: E402
+from callgrind_own_code import CONFIGS, not_counted  # noqa: E402
 
-CONFIGS = ("unsampled", "step-spans-off", "sampled")
 SETS = ("hooks", "finish")
 SETUP_HOOKS = (
     "make_prepare_generated_length",
@@ -62,16 +59,6 @@ def counted(name: str, function: Callable) -> Callable:
     def enter(*args, **kwargs):
         NAMES.append(name)
         return operator.call(function, *args, **kwargs)
-
-    return enter
-
-
-def not_counted(function: Callable) -> Callable:
-    """``function`` entered through ``starmap_next`` (collection off until it returns)."""
-
-    @functools.wraps(function)
-    def enter(*args, **kwargs):
-        return next(starmap(lambda: function(*args, **kwargs), [()]))
 
     return enter
 
@@ -137,38 +124,12 @@ def run(config: str, pieces: str, n: int) -> List[tuple]:
     """``[(name, instructions)]`` of every counted entry, in order."""
     from otel_generate.bench.instructions import read_dumps
 
-    with tempfile.TemporaryDirectory() as folder:
-        prefix = os.path.join(folder, "callgrind.out")
-        valgrind = subprocess.Popen(
-            [
-                "valgrind",
-                "--tool=callgrind",
-                "--instr-atstart=no",
-                f"--callgrind-out-file={prefix}",
-                f"--log-file={os.path.join(folder, 'valgrind.log')}",
-                "--toggle-collect=_operator_call",
-                "--toggle-collect=starmap_next",
-                "--dump-after=_operator_call",
-                sys.executable,
-                os.path.abspath(__file__),
-                "--child",
-                config,
-                pieces,
-                str(n),
-                folder,
-            ],
-            env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0"),
-        )
-        callgrind_toggled.wait(folder, "ready")
-        subprocess.run(["callgrind_control", "-i", "on", str(valgrind.pid)], check=True, capture_output=True)
-        callgrind_toggled.signal(folder, "go")
-        callgrind_toggled.wait(folder, "done")
-        subprocess.run(["callgrind_control", "-i", "off", str(valgrind.pid)], check=True, capture_output=True)
-        callgrind_toggled.signal(folder, "stop")
-        valgrind.wait()
+    def read(folder: str) -> tuple:
         with open(os.path.join(folder, "names.json"), encoding="utf-8") as handle:
-            names = json.load(handle)
-        dumps = read_dumps(prefix)
+            return json.load(handle), read_dumps(os.path.join(folder, "callgrind.out"))
+
+    toggles = ("--toggle-collect=_operator_call", "--toggle-collect=starmap_next", "--dump-after=_operator_call")
+    names, dumps = callgrind_toggled.run_stretch(__file__, (config, pieces, str(n)), toggles, read)
     counts = [dumps[number] for number in sorted(dumps)]
     if len(counts) != len(names):
         raise SystemExit(f"{len(counts)} dumps for {len(names)} entries: a piece ran inside another")

@@ -17,7 +17,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, TypeVar
+
+T = TypeVar("T")
 
 
 def signal(folder: str, name: str) -> None:
@@ -46,6 +48,20 @@ def count(script: str, child_args: Sequence[str], valgrind_args: Sequence[str] =
     counted between the child's ``"ready"``/``"go"`` and its ``"done"`` (``None`` when callgrind's
     log names no count); ``valgrind_args`` are added to callgrind's options (``--toggle-collect``).
     Raises ``subprocess.CalledProcessError`` when ``callgrind_control`` fails."""
+    return run_stretch(script, child_args, valgrind_args, collected)
+
+
+def collected(folder: str) -> Optional[int]:
+    """The count callgrind's log in ``folder`` names (``None`` when it names none)."""
+    with open(os.path.join(folder, "valgrind.log"), encoding="utf-8") as handle:
+        found = re.search(r"Collected : (\d+)", handle.read())
+    return int(found.group(1)) if found else None
+
+
+def run_stretch(script: str, child_args: Sequence[str], valgrind_args: Sequence[str], read: Callable[[str], T]) -> T:
+    """:func:`count`'s run, returning ``read(FOLDER)`` once valgrind has exited: FOLDER holds
+    callgrind's log (``valgrind.log``), its output (``callgrind.out``, ``callgrind.out.N`` for
+    numbered dumps) and whatever the child wrote there."""
     with tempfile.TemporaryDirectory() as folder:
         log = os.path.join(folder, "valgrind.log")
         valgrind = subprocess.Popen(
@@ -71,6 +87,4 @@ def count(script: str, child_args: Sequence[str], valgrind_args: Sequence[str] =
         subprocess.run(["callgrind_control", "-i", "off", str(valgrind.pid)], check=True, capture_output=True)
         signal(folder, "stop")
         valgrind.wait()
-        with open(log, encoding="utf-8") as handle:
-            collected = re.search(r"Collected : (\d+)", handle.read())
-    return int(collected.group(1)) if collected else None
+        return read(folder)
