@@ -36,6 +36,7 @@ class Fault:
     FAST_STEP_SPANS_CHECK = "fast step spans check"
     GENERATE_OVERRIDE_HOOK = "generate override hook"
     GENERATION_CONFIG_CAPTURE = "generation config capture"
+    IMPLIED_STEP_LENGTHS = "implied step lengths"
     KEY_VALUE_CACHE_CAPTURE = "key/value cache capture"
     KEY_VALUE_CACHE_SIZE = "key/value cache size"
     MEMORY_STATISTICS = "memory statistics"

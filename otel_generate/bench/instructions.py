@@ -1,11 +1,12 @@
 """``otel-generate bench --instructions``: what the instrumentation costs, counted in instructions.
 
 Time ratios on a shared machine move by several percent between identical runs; instruction
-counts do not depend on what else the machine runs. This mode runs one Python process under
-valgrind's callgrind (:mod:`otel_generate.bench.instructions_child`) that, for each configuration
-in turn:
+counts do not depend on what else the machine runs. This mode runs each configuration in a Python
+process of its own under valgrind's callgrind (:mod:`otel_generate.bench.instructions_child`),
+as many at a time as the machine has cores (a count does not depend on what runs beside it). Each
+process:
 
-1. sets it up once (plain: nothing; ``plain-sdk``: the SDK providers below, nothing
+1. sets its configuration up once (plain: nothing; ``plain-sdk``: the SDK providers below, nothing
    instrumented; instrumented: ``GenerateInstrumentor().instrument()`` with an SDK
    ``TracerProvider`` + ``BatchSpanProcessor`` + the ``--exporter`` and an SDK
    ``MeterProvider``, kept for all its calls), then runs ``--warmup`` calls. The processor
@@ -15,6 +16,13 @@ in turn:
    and the metric collection those calls deferred are counted with them);
 3. runs ``K_hi`` calls (``--calls-high``, default 18) the same way;
 4. uninstruments.
+
+A process of its own per configuration makes the counts repeat exactly: the same configuration
+in two fresh processes counted the same instructions per call to the last digit (plain, tiny
+GPT-2, 128 tokens: 560,569,280.375 twice), whereas configurations run one after another in one
+process each inherited the heap the ones before had left, and the allocator's work (glibc's
+``malloc``/``free``, ``pymalloc``) moved by up to 1.7 M instructions per call with it
+(BENCHMARKS.md, issue 18 session 9).
 
 The process marks the borders between these parts by calling ``os.getloadavg()`` (libc's
 ``getloadavg``, which nothing else calls here): callgrind runs with
@@ -30,7 +38,8 @@ executed instructions, summed over every thread (the span processor's and the ba
 emitter's threads included: with ``--separate-threads=yes`` a dump would hold the calling
 thread's counts only, so threads are not separated). Per step is per call
 divided by the decode steps of a call (the new tokens of the longest row: greedy decoding adds
-one token per step). Added is instrumented minus plain, also as a share of plain.
+one token per step). Added is instrumented minus plain, also as a share of plain. Each
+instrumented configuration's output sequences are compared with plain's (``outputs_identical``).
 
 BLAS and OpenMP are kept to one thread (``OPENBLAS_NUM_THREADS=1``, ``OMP_NUM_THREADS=1``,
 ``MKL_NUM_THREADS=1``, ``torch.set_num_threads(--threads)``), so that no idle thread spins, and
@@ -39,8 +48,8 @@ run.
 
 Instructions are not time: a cache miss or a branch misprediction costs more than an add, and
 valgrind runs the program about 50 times slower, one thread at a time. The counts say how much
-work the instrumentation adds, resolved to well under 0.1 % of a call; the time ratios of
-``--compare`` say what it costs in time on a given machine, with its noise.
+work the instrumentation adds; the time ratios of ``--compare`` say what it costs in time on a
+given machine, with its noise.
 
 Configurations (``--configurations``, comma-separated; default all): see :data:`CONFIGURATIONS`.
 
@@ -50,6 +59,7 @@ installed, on invalid input, or when the process under valgrind fails.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime as _dt
 import glob
 import json
@@ -103,12 +113,11 @@ CONFIGURATIONS: Dict[str, Tuple[str, Optional[Dict[str, Any]], bool]] = {
     ),
 }
 #: Uninstrumented configurations that still set up the SDK providers (a ``TracerProvider`` with
-#: :func:`span_processor`, a ``MeterProvider``). A second thread in the process (the processor's)
-#: makes glibc take its multi-threaded paths: every GIL hand-over around torch's operators then
-#: costs a few instructions more, about 0.3 M per call of the tiny GPT-2 (the same 1.82 M
-#: ``pthread_mutex_unlock`` calls in ``take_gil``/``drop_gil`` per 18 calls, 23 instructions each
-#: single-threaded, 26 with the thread; ``plain-sdk`` read 0.66 M over ``plain`` in all, BENCHMARKS.md
-#: run M). A process with OpenTelemetry set up pays that whether or not ``generate()`` is instrumented.
+#: :func:`span_processor`, a ``MeterProvider``), so that their span processor's thread is alive: the
+#: baseline of what instrumenting ``generate()`` adds in a process that has OpenTelemetry set up.
+#: In a process of its own it read +10,412 instructions per call over ``plain`` (tiny GPT-2, 128
+#: tokens; BENCHMARKS.md, issue 18 session 9); run after ``plain`` in one shared process it had read
+#: +0.66 M to +1.7 M, the allocator's work on an older heap.
 PROVIDERS_ONLY = frozenset({"plain-sdk"})
 DEFAULT_NEW_TOKENS = 128
 DEFAULT_CALLS_LOW = 2
@@ -246,59 +255,104 @@ def run(config: BenchConfig) -> Dict[str, Any]:
     names = config.configurations.split(",")
     workdir = tempfile.mkdtemp(prefix="otel-generate-instructions-")
     try:
-        spec_path = os.path.join(workdir, "spec.json")
-        child_path = os.path.join(workdir, "child.json")
-        prefix = os.path.join(workdir, "callgrind.out")
-        log_path = os.path.join(workdir, "valgrind.log")
-        spec = {
-            "config": {k: v for k, v in vars(config).items() if k != "argv"},
-            "configurations": names,
-            "result": child_path,
-        }
-        with open(spec_path, "w", encoding="utf-8") as handle:
-            json.dump(spec, handle)
-        command = [
-            "valgrind",
-            "--tool=callgrind",
-            f"--dump-before={MARKER}",
-            f"--callgrind-out-file={prefix}",
-            f"--log-file={log_path}",
-            sys.executable,
-            "-m",
-            "otel_generate.bench.instructions_child",
-            spec_path,
-        ]
-        env = dict(os.environ)
-        env.update(SINGLE_THREAD_ENV)
-        env.update(HASH_SEED_ENV)
+        jobs = min(len(names), max(1, os.cpu_count() or 1))
         print(
-            f"otel-generate bench --instructions: {len(names)} configuration(s) under callgrind, "
-            f"{config.calls_low} and {config.calls_high} calls each; this takes minutes",
+            f"otel-generate bench --instructions: {len(names)} configuration(s) under callgrind, one process each "
+            f"({jobs} at a time), {config.calls_low} and {config.calls_high} calls each; this takes minutes",
             file=sys.stderr,
         )
-        # the process's own progress lines go to this stderr; valgrind's messages to its log
-        done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL)
-        if done.returncode != 0 or not os.path.exists(child_path):
-            try:
-                with open(log_path, encoding="utf-8", errors="replace") as handle:
-                    tail = "\n".join(handle.read().strip().splitlines()[-15:])
-            except OSError:
-                tail = ""
-            raise BenchUsageError(
-                f"the process under valgrind failed (exit status {done.returncode}); valgrind's log ends:\n{tail}"
-            )
-        with open(child_path, encoding="utf-8") as handle:
-            child = json.load(handle)
-        dumps = read_dumps(prefix)
-        labels: List[str] = child["labels"]
-        if sorted(dumps) != list(range(1, len(labels) + 1)):
-            raise BenchUsageError(
-                f"callgrind wrote dumps {sorted(dumps)} for {len(labels)} markers: something else called "
-                f"{MARKER}(); the parts cannot be told apart"
-            )
-        return result_document(config, child, dumps, labels)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            done = list(pool.map(lambda name: _run_configuration(config, name, workdir), names))
+        return result_document(config, *merge_processes(done))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run_configuration(config: BenchConfig, name: str, workdir: str) -> Tuple[Dict[str, Any], Dict[int, int]]:
+    """One configuration in a process of its own under callgrind: ``(what the child wrote, its
+    dumps)``. A fresh process per configuration starts every configuration from the same heap:
+    run one after another in one process, each inherited the allocator state the ones before it
+    left, and ``plain-sdk`` read from +0.01 M to +1.7 M per call over ``plain`` (BENCHMARKS.md).
+
+    Raises:
+        BenchUsageError: the process under valgrind failed, or its dumps do not match its markers.
+    """
+    folder = os.path.join(workdir, name)
+    os.makedirs(folder)
+    spec_path = os.path.join(folder, "spec.json")
+    child_path = os.path.join(folder, "child.json")
+    prefix = os.path.join(folder, "callgrind.out")
+    log_path = os.path.join(folder, "valgrind.log")
+    spec = {
+        "config": {k: v for k, v in vars(config).items() if k != "argv"},
+        "configurations": [name],
+        "result": child_path,
+    }
+    with open(spec_path, "w", encoding="utf-8") as handle:
+        json.dump(spec, handle)
+    command = [
+        "valgrind",
+        "--tool=callgrind",
+        f"--dump-before={MARKER}",
+        f"--callgrind-out-file={prefix}",
+        f"--log-file={log_path}",
+        sys.executable,
+        "-m",
+        "otel_generate.bench.instructions_child",
+        spec_path,
+    ]
+    env = dict(os.environ)
+    env.update(SINGLE_THREAD_ENV)
+    env.update(HASH_SEED_ENV)
+    # the process's own progress lines go to this stderr; valgrind's messages to its log
+    done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL)
+    if done.returncode != 0 or not os.path.exists(child_path):
+        try:
+            with open(log_path, encoding="utf-8", errors="replace") as handle:
+                tail = "\n".join(handle.read().strip().splitlines()[-15:])
+        except OSError:
+            tail = ""
+        raise BenchUsageError(
+            f"the process under valgrind for {name!r} failed (exit status {done.returncode}); "
+            f"valgrind's log ends:\n{tail}"
+        )
+    with open(child_path, encoding="utf-8") as handle:
+        child = json.load(handle)
+    dumps = read_dumps(prefix)
+    if sorted(dumps) != list(range(1, len(child["labels"]) + 1)):
+        raise BenchUsageError(
+            f"callgrind wrote dumps {sorted(dumps)} for {len(child['labels'])} markers of {name!r}: something "
+            f"else called {MARKER}(); the parts cannot be told apart"
+        )
+    return child, dumps
+
+
+def merge_processes(
+    processes: Sequence[Tuple[Dict[str, Any], Dict[int, int]]],
+) -> Tuple[Dict[str, Any], Dict[int, int], List[str]]:
+    """The children's results and dumps of one process per configuration, in order, as one
+    ``(child, dumps, labels)`` for :func:`result_document`: the labels concatenated, the dumps
+    numbered on, the runs together. A configuration's ``outputs_identical`` also requires its
+    sequences to equal the first configuration's (``plain``), read in another process."""
+    child: Dict[str, Any] = {"configurations": [], "runs": {}}
+    dumps: Dict[int, int] = {}
+    labels: List[str] = []
+    reference = None
+    for own, own_dumps in processes:
+        for number, ir in own_dumps.items():
+            dumps[len(labels) + number] = ir
+        labels.extend(own["labels"])
+        for name in own["configurations"]:
+            run = dict(own["runs"][name])
+            sequences = run.pop("sequences", None)
+            if reference is None:
+                reference = sequences
+            run["outputs_identical"] = bool(run["outputs_identical"]) and sequences == reference
+            child["configurations"].append(name)
+            child["runs"][name] = run
+        for key in ("versions", "model", "parameters"):
+            child.setdefault(key, own[key])
+    return child, dumps, labels
 
 
 def result_document(
@@ -348,7 +402,8 @@ def result_document(
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": list(config.argv),
         "method": (
-            "one process under valgrind --tool=callgrind; per configuration: set up once, "
+            "one process per configuration under valgrind --tool=callgrind (as many at a time as there are "
+            "cores); in each: set up once, "
             f"warmup, then {config.calls_low} calls + flush and {config.calls_high} calls + flush, each part in a "
             f"callgrind dump of its own (os.getloadavg() marks the borders, --dump-before={MARKER}); "
             "instructions per call = (Ir(high) - Ir(low)) / (calls_high - calls_low), Ir summed over all threads; "

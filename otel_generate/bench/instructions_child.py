@@ -102,6 +102,8 @@ def main(spec_path: str) -> None:
             "spans_per_call": spans,
             "spans_expected_per_call": expected,
             "outputs_identical": identical,
+            # (compared with plain's by the parent: each configuration runs in a process of its own)
+            "sequences": sequences.tolist(),
         }
         if instrumentor is not None:
             instrumentor.uninstrument()

@@ -33,6 +33,9 @@ _NESTED = object()
 #: Strategies whose stopping-criteria rows are the returned sequences (beam search checks
 #: flattened candidate beams instead).
 ROW_ALIGNED = (A.STRATEGY_GREEDY, A.STRATEGY_SAMPLE, A.STRATEGY_ASSISTED, A.STRATEGY_CUSTOM_GENERATE)
+#: Strategies whose loop (transformers' own ``_sample``, not a ``custom_generate``) appends exactly
+#: one token per row before each stopping-criteria call.
+ONE_TOKEN_STEPS = (A.STRATEGY_GREEDY, A.STRATEGY_SAMPLE)
 #: Strategies that return beams (padded only after their EOS).
 BEAM = (
     A.STRATEGY_BEAM_SEARCH,

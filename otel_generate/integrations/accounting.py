@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from otel_generate import attributes as A
 from otel_generate import cancellation, clock
+from otel_generate._faults import Fault, log_fault_once
 from otel_generate.integrations._routing import BEAM, ROW_ALIGNED, _is_tensor, _sequences, model_name
 from otel_generate.request import InnerCall
 from otel_generate.tokens import count_input_tokens, count_new_tokens, counts_from_done, finish_reasons, step_tokens
@@ -227,13 +228,19 @@ def account_loop(loop: Any, call_result: Any, exc: Optional[BaseException]) -> N
     recorder = loop.recorder
     if recorder is not None:
         times = list(recorder.times_ns)
-        lengths = list(recorder.lengths)
+        lengths = recorder.step_lengths()
         done = list(recorder.done)
         if sequences is not None and strategy in ROW_ALIGNED:
             # steps that transformers undid (MPS's deferred stop check) are not in the output
             final = int(sequences.shape[-1])
             while lengths and lengths[-1] > final:
                 del lengths[-1], times[-1], done[-1:]
+            if recorder.implied_lengths and lengths and lengths[-1] != final:
+                # one token a step was implied, yet the output is wider: the steps' tokens are not known
+                loop.incomplete = True
+                log_fault_once(
+                    Fault.IMPLIED_STEP_LENGTHS, ValueError(f"{final} positions returned, {lengths[-1]} implied")
+                )
         if not times and exc is None and loop.kwargs.get("custom_generate") is not None:
             loop.unobserved = A.UNOBSERVED_CUSTOM_GENERATE  # the custom loop never called the criteria
     elif call.timed and exc is None:

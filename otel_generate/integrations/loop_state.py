@@ -31,6 +31,7 @@ from otel_generate import attributes as A
 from otel_generate import clock, emit, figures
 from otel_generate._faults import Fault, log_fault_once
 from otel_generate.integrations._routing import (
+    ONE_TOKEN_STEPS,
     ROW_ALIGNED,
     CallFrame,
     LoopFrame,
@@ -342,6 +343,10 @@ class Loop(LoopFrame):
             # a row may stop before the others
             keep_done=strategy in ROW_ALIGNED and rows_may_end_apart(criteria),
             token_offset=sum(sum(loop.step_tokens or _tokens_so_far(loop)) for loop in call.loops if loop is not self),
+            # transformers' own greedy and sampling loops append one token per row before each call
+            one_token_steps=strategy in ONE_TOKEN_STEPS
+            and self.prompt_length is not None
+            and self.kwargs.get("custom_generate") is None,
         )
         self.criteria = RecordingCriteriaList(criteria, self.recorder)
         return self.criteria
@@ -374,4 +379,4 @@ def _tokens_so_far(loop: Loop) -> List[int]:
     recorder = loop.recorder
     if recorder is None:
         return []
-    return step_tokens(list(recorder.lengths), loop.prompt_length if loop.prompt_length is not None else 0)
+    return step_tokens(recorder.step_lengths(), loop.prompt_length if loop.prompt_length is not None else 0)

@@ -8,7 +8,11 @@ replaced by a :class:`RecordingCriteriaList` (same criteria, same result) whose 
 criteria ran, hands ``input_ids`` and the per-row ``is_done`` tensor to a :class:`StepRecorder`:
 it waits for the device (when a synchronize function is given), reads the monotonic clock and
 appends. Where a step is nothing but the clock read and the two appends (no device to wait for,
-no row that may stop before the others, no callback), the list appends them itself. Spans are
+no row that may stop before the others, no callback), the list appends them itself; where, in
+addition, the loop is transformers' own greedy or sampling loop (``one_token_steps``: it appends
+exactly one token per row before each call), the length is not read at all: after step ``i`` it
+is the prompt width plus ``i + 1`` (:meth:`StepRecorder.step_lengths`; the accounting checks it
+against the returned sequences). Spans are
 built from these numbers only after ``generate()`` returns, so the loop pays no span cost, and
 the criteria's result is never touched.
 """
@@ -39,11 +43,14 @@ class StepRecorder:
 
     Attributes:
         times_ns: monotonic clock (``time.perf_counter_ns``) after each step, in nanoseconds.
-        lengths: ``input_ids.shape[-1]`` seen after each step (prompt included).
+        lengths: ``input_ids.shape[-1]`` seen after each step (prompt included); empty while the
+            lengths are implied (``implied_lengths``): read them with :meth:`step_lengths`.
         done: when ``keep_done``, each step's ``is_done`` BoolTensor of shape ``(rows,)``: a row's
             first ``True`` is the step that ended it (EOS, a stop string, a user criterion).
         fault: the first exception raised inside the recorder, or ``None``. After a fault the
             recorder stops recording (what it holds stays valid) and generation goes on.
+        implied_lengths: the lengths are not read but implied (``one_token_steps`` and the plain
+            path taken: :meth:`plain_appends`).
     """
 
     def __init__(
@@ -57,6 +64,7 @@ class StepRecorder:
         skip_candidate_calls: bool = False,
         keep_done: bool = False,
         token_offset: int = 0,
+        one_token_steps: bool = False,
     ) -> None:
         self.times_ns: List[int] = []
         self.lengths: List[int] = []
@@ -76,15 +84,35 @@ class StepRecorder:
         # tokens before verifying them; those calls are not step boundaries.
         self._skip_candidate_calls = skip_candidate_calls
         self._next_is_candidate = skip_candidate_calls
+        #: the loop appends exactly one token per row before each criteria call (transformers' own
+        #: greedy and sampling loops): the length after step i is the prompt width plus i + 1
+        self._one_token_steps = one_token_steps
+        self.implied_lengths = False
 
-    def plain_appends(self) -> Optional[Tuple[Callable[[int], None], Callable[[int], None], Callable[[], int]]]:
+    def plain_appends(
+        self,
+    ) -> Optional[Tuple[Callable[[int], None], Optional[Callable[[int], None]], Callable[[], int]]]:
         """``(append time, append length, clock)`` when a step is nothing but those two appends
-        (no synchronize, no ``is_done`` kept, no callback, no candidate calls to skip), else ``None``."""
+        (no synchronize, no ``is_done`` kept, no callback, no candidate calls to skip), else
+        ``None``. The length's append is ``None`` when the lengths are implied instead
+        (``one_token_steps``; from then on :attr:`implied_lengths`)."""
         if self._sync is not None or self._append_done is not None or self._on_step is not None:
             return None
         if self._skip_candidate_calls or self.fault is not None:
             return None
+        if self._one_token_steps and not self.lengths:
+            self.implied_lengths = True
+            return self._append_time, None, self._clock
         return self._append_time, self._append_length, self._clock
+
+    def step_lengths(self) -> List[int]:
+        """The sequence length after each recorded step (prompt included), one per time in
+        :attr:`times_ns`: read (:attr:`lengths`) or, when :attr:`implied_lengths`, the prompt
+        width plus 1, 2, ... (a new list either way)."""
+        if self.implied_lengths:
+            first = self._prompt_length + 1
+            return list(range(first, first + len(self.times_ns)))
+        return list(self.lengths)
 
     def __deepcopy__(self, memo):  # a copied criteria list must still feed this request
         return self
@@ -118,8 +146,8 @@ class StepRecorder:
             self._on_fault(Fault.PER_TOKEN_LATENCY_CALLBACK, exc)
 
     def _fail(self, exc: BaseException) -> None:
-        # keep the lists paired: drop a half-written step
-        steps = min(len(self.times_ns), len(self.lengths))
+        # keep the lists paired: drop a half-written step (implied lengths are paired by construction)
+        steps = len(self.times_ns) if self.implied_lengths else min(len(self.times_ns), len(self.lengths))
         del self.times_ns[steps:], self.lengths[steps:], self.done[steps:]
         self.fault = exc
         self._on_fault(Fault.STEP_HOOK, exc)
@@ -152,7 +180,8 @@ class RecordingCriteriaList(StoppingCriteriaList):
         append_time, append_length, clock = plain
         try:
             append_time(clock())
-            append_length(input_ids.shape[-1])
+            if append_length is not None:  # (None: the lengths are implied, one token a step)
+                append_length(input_ids.shape[-1])
         except Exception as exc:  # never break generation: the recorder stops, as after its own fault
             self._plain = None
             self.recorder._fail(exc)

@@ -662,10 +662,13 @@ def test_a_step_is_recorded_by_the_list_itself_unless_a_row_may_stop_early(
     ]
     plain, keeping = lists
     assert plain._plain is not None and plain.recorder.done == []
+    # greedy: transformers' own loop appends one token a step, so the plain path reads no length
+    assert plain.recorder.implied_lengths and plain.recorder.lengths == []
     assert keeping._plain is None and len(keeping.recorder.done) == len(keeping.recorder.lengths) > 0
+    assert not keeping.recorder.implied_lengths
     for output, criteria, span in zip(outputs, lists, request_spans(span_exporter)):
         steps = output.shape[-1] - ids.shape[-1]
-        assert criteria.recorder.lengths == list(range(ids.shape[-1] + 1, output.shape[-1] + 1))
+        assert criteria.recorder.step_lengths() == list(range(ids.shape[-1] + 1, output.shape[-1] + 1))
         assert len(step_spans(span_exporter, span)) == steps == span.attributes[A.GENERATE_STEPS]
         expected = count_new_tokens(output, ids.shape[-1], EOS_TOKEN_ID if criteria is keeping else None, PAD_TOKEN_ID)
         assert span.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] == sum(expected)

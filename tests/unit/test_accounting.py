@@ -61,6 +61,8 @@ def make_loop(call, sequences, generation_config, steps=None, done=None, kwargs=
             lengths=list(steps),
             done=list(done or []),
             fault=None,
+            implied_lengths=False,
+            step_lengths=lambda: list(steps),
         )
         loop.criteria = None  # no StopStringCriteria or MaxTimeCriteria
     loop.close(sequences, read_clock=False)
@@ -138,6 +140,38 @@ def test_steps_transformers_undid_are_dropped():
     assert len(call.request.step_ends_ns) == 3
     assert call.request.output_tokens == 3
     assert call.request.finish_reasons == [A.FINISH_REASON_STOP]
+
+
+def _implied(loop, steps):
+    """The loop's recorder as the plain path leaves it with one token a step: times only."""
+    recorder = loop.recorder
+    recorder.lengths, recorder.implied_lengths = [], True
+    recorder.step_lengths = lambda: list(range(loop.prompt_length + 1, loop.prompt_length + 1 + steps))
+
+
+def test_implied_lengths_one_token_a_step_give_the_tokens_of_read_ones():
+    sequences = torch.tensor([PROMPT[0] + [5, 6, 7, 8]])
+    call = make_call()
+    loop = make_loop(call, sequences, config(eos_token_id=None), steps=[4, 5, 6, 7])
+    _implied(loop, 4)
+
+    accounting.account_call(call, sequences, None)
+
+    assert call.request.step_tokens == [1, 1, 1, 1] and len(call.request.step_ends_ns) == 4
+    assert call.request.output_tokens == 4 and not call.request.incomplete
+
+
+def test_implied_lengths_a_wider_output_marks_the_request_incomplete(caplog):
+    # two tokens appended at one of the 3 recorded steps: 3 implied, 4 returned
+    sequences = torch.tensor([PROMPT[0] + [5, 6, 7, 8]])
+    call = make_call()
+    loop = make_loop(call, sequences, config(eos_token_id=None), steps=[4, 5, 7])
+    _implied(loop, 3)
+
+    accounting.account_call(call, sequences, None)
+
+    assert call.request.incomplete is True
+    assert call.request.output_tokens == 4  # counted from the tensor, as always
 
 
 def test_max_length_gives_the_budget_and_sampling_its_parameters():

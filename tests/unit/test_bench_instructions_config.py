@@ -103,6 +103,61 @@ def test_added_over_plain_sdk_when_it_ran():
     assert "over plain-sdk" in text and "+11.881%" in text
 
 
+def _process(name, per_call, sequences, identical=True):
+    """What one configuration's process gives: its child result and its six dumps (2 and 6 calls)."""
+    parts = ["setup", "low", "gc after low", "high", "gc after high", "teardown"]
+    child = {
+        "labels": [f"{name} {part}" for part in parts],
+        "configurations": [name],
+        "runs": {
+            name: {
+                "steps": 4,
+                "spans_per_call": 0,
+                "spans_expected_per_call": 0,
+                "outputs_identical": identical,
+                "sequences": sequences,
+            }
+        },
+        "versions": {"torch": "x"},
+        "model": "m",
+        "parameters": 1,
+    }
+    dumps = {number: 10_000_000 for number in range(1, 7)}
+    dumps[2], dumps[4] = 2 * per_call + 50, 6 * per_call + 50
+    return child, dumps
+
+
+def test_one_process_per_configuration_merged_in_order():
+    config = BenchConfig(instructions=True, calls_low=2, calls_high=6, new_tokens=4)
+    processes = [
+        _process("plain", 1000, [[1, 2, 3]]),
+        _process("plain-sdk", 1010, [[1, 2, 3]]),
+        _process("unsampled", 1130, [[1, 2, 3]]),
+    ]
+    child, dumps, labels = instructions.merge_processes(processes)
+    assert child["configurations"] == ["plain", "plain-sdk", "unsampled"]
+    assert labels[6:8] == ["plain-sdk setup", "plain-sdk low"] and sorted(dumps) == list(range(1, 19))
+    assert dumps[14] == 2 * 1130 + 50  # unsampled's low part, numbered on after the first two processes
+    assert "sequences" not in child["runs"]["unsampled"] and child["versions"] == {"torch": "x"}
+    doc = instructions.result_document(config, child, dumps, labels)
+    plain, sdk, unsampled = doc["configurations"]
+    assert plain["instructions_per_call"] == 1000 and sdk["added_per_call"] == 10
+    assert unsampled["added_per_call"] == 130 and unsampled["added_over_sdk_per_call"] == 120
+    assert all(row["outputs_identical"] for row in doc["configurations"])
+    assert doc["method"].startswith("one process per configuration")
+
+
+def test_outputs_compared_with_plain_across_processes():
+    processes = [
+        _process("plain", 1000, [[1, 2, 3]]),
+        _process("all-step-spans", 1500, [[1, 2, 4]]),  # another output than plain's
+        _process("unsampled", 1130, [[1, 2, 3]], identical=False),  # its own calls disagreed
+    ]
+    child, _, _ = instructions.merge_processes(processes)
+    identical = {name: run["outputs_identical"] for name, run in child["runs"].items()}
+    assert identical == {"plain": True, "all-step-spans": False, "unsampled": False}
+
+
 def test_span_processor_exports_at_flush_not_on_the_sdk_timer():
     """The processor under valgrind exports at a flush (or a full batch), never after the SDK's 5 s timer."""
     import time
