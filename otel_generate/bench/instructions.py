@@ -3,8 +3,8 @@
 Time ratios on a shared machine move by several percent between identical runs; instruction
 counts do not depend on what else the machine runs. This mode runs each configuration in a Python
 process of its own under valgrind's callgrind (:mod:`otel_generate.bench.instructions_child`),
-as many at a time as the machine has cores (a count does not depend on what runs beside it). Each
-process:
+as many at a time as the machine has cores, at most :data:`MAX_PROCESSES` (a count does not
+depend on what runs beside it). Each process:
 
 1. sets its configuration up once (plain: nothing; ``plain-sdk``: the SDK providers below, nothing
    instrumented; instrumented: ``GenerateInstrumentor().instrument()`` with an SDK
@@ -124,6 +124,8 @@ DEFAULT_CALLS_LOW = 2
 DEFAULT_CALLS_HIGH = 18
 #: The libc function whose call marks a border between parts (``--dump-before``).
 MARKER = "getloadavg"
+#: At most this many processes under valgrind at a time (each holds about 2 GB with torch loaded).
+MAX_PROCESSES = 4
 VALGRIND_MISSING = (
     "--instructions needs valgrind (its callgrind tool) on PATH; install it, e.g. apt-get install valgrind"
 )
@@ -255,7 +257,7 @@ def run(config: BenchConfig) -> Dict[str, Any]:
     names = config.configurations.split(",")
     workdir = tempfile.mkdtemp(prefix="otel-generate-instructions-")
     try:
-        jobs = min(len(names), max(1, os.cpu_count() or 1))
+        jobs = min(len(names), max(1, os.cpu_count() or 1), MAX_PROCESSES)
         print(
             f"otel-generate bench --instructions: {len(names)} configuration(s) under callgrind, one process each "
             f"({jobs} at a time), {config.calls_low} and {config.calls_high} calls each; this takes minutes",
@@ -403,7 +405,7 @@ def result_document(
         "command": list(config.argv),
         "method": (
             "one process per configuration under valgrind --tool=callgrind (as many at a time as there are "
-            "cores); in each: set up once, "
+            f"cores, at most {MAX_PROCESSES}); in each: set up once, "
             f"warmup, then {config.calls_low} calls + flush and {config.calls_high} calls + flush, each part in a "
             f"callgrind dump of its own (os.getloadavg() marks the borders, --dump-before={MARKER}); "
             "instructions per call = (Ir(high) - Ir(low)) / (calls_high - calls_low), Ir summed over all threads; "
