@@ -17,12 +17,16 @@ depend on what runs beside it). Each process:
 3. runs ``K_hi`` calls (``--calls-high``, default 18) the same way;
 4. uninstruments.
 
-A process of its own per configuration makes the counts repeat exactly: the same configuration
-in two fresh processes counted the same instructions per call to the last digit (plain, tiny
-GPT-2, 128 tokens: 560,569,280.375 twice), whereas configurations run one after another in one
-process each inherited the heap the ones before had left, and the allocator's work (glibc's
-``malloc``/``free``, ``pymalloc``) moved by up to 1.7 M instructions per call with it
-(BENCHMARKS.md, issue 18 session 9).
+A process of its own per configuration keeps one configuration's heap out of the next one's:
+run one after another in one process, each configuration inherited the heap the ones before it
+had left, and the allocator's work (glibc's ``malloc``/``free``, ``pymalloc``) moved with it. What
+a fresh process does not remove is the layout term: CPython 3.11's attribute cache is indexed by
+a type's version tag and the *address* of the attribute's name, so where a process's allocations
+land decides which lookups collide, and every miss walks the classes' dictionaries. The same
+configuration started the same way repeats to the instruction (plain, tiny GPT-2, 128 tokens:
+560,569,280.375 twice); started from another folder, or as another configuration that allocates
+differently before its calls, its count moves by up to about 2 M instructions per call (0.4 %;
+BENCHMARKS.md, issue 18 session 9). An added figure below that size is not resolved by one run.
 
 The process marks the borders between these parts by calling ``os.getloadavg()`` (libc's
 ``getloadavg``, which nothing else calls here): callgrind runs with
@@ -115,9 +119,10 @@ CONFIGURATIONS: Dict[str, Tuple[str, Optional[Dict[str, Any]], bool]] = {
 #: Uninstrumented configurations that still set up the SDK providers (a ``TracerProvider`` with
 #: :func:`span_processor`, a ``MeterProvider``), so that their span processor's thread is alive: the
 #: baseline of what instrumenting ``generate()`` adds in a process that has OpenTelemetry set up.
-#: In a process of its own it read +10,412 instructions per call over ``plain`` (tiny GPT-2, 128
-#: tokens; BENCHMARKS.md, issue 18 session 9); run after ``plain`` in one shared process it had read
-#: +0.66 M to +1.7 M, the allocator's work on an older heap.
+#: A second thread makes glibc take its multi-threaded mutex paths (``__pthread_mutex_unlock_usercnt``
+#: +0.49 M instructions per call of the tiny GPT-2, ``pthread_mutex_lock`` -0.16 M, in every run
+#: that separated it); the rest of what ``plain-sdk`` reads over ``plain`` (+10,412 to +2.1 M per call
+#: in fresh processes, BENCHMARKS.md issue 18 session 9) is the layout term of the module docstring.
 PROVIDERS_ONLY = frozenset({"plain-sdk"})
 DEFAULT_NEW_TOKENS = 128
 DEFAULT_CALLS_LOW = 2
