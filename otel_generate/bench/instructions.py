@@ -73,6 +73,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from otel_generate.bench.config import BenchConfig, BenchUsageError, require_module
@@ -268,23 +269,66 @@ def run(config: BenchConfig) -> Dict[str, Any]:
             f"({jobs} at a time), {config.calls_low} and {config.calls_high} calls each; this takes minutes",
             file=sys.stderr,
         )
-        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-            done = list(pool.map(lambda name: _run_configuration(config, name, workdir), names))
+        children = _Children()
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
+        try:
+            # (folders named alike, c00, c01, ...: the paths a process is started with are the same
+            # length for every configuration, so they move no allocation of one against another)
+            futures = [
+                pool.submit(_run_configuration, config, name, os.path.join(workdir, f"c{index:02d}"), children)
+                for index, name in enumerate(names)
+            ]
+            done = [future.result() for future in futures]
+        except BaseException:  # a configuration failed, or Ctrl-C: start no other, stop those running
+            children.stop()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        finally:
+            pool.shutdown(wait=True)
         return result_document(config, *merge_processes(done))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _run_configuration(config: BenchConfig, name: str, workdir: str) -> Tuple[Dict[str, Any], Dict[int, int]]:
+class _Children:
+    """The processes under valgrind that are running; once stopped, none is started any more."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: List[subprocess.Popen] = []
+        self._stopped = False
+
+    def run(self, command: List[str], env: Dict[str, str]) -> int:
+        """Run ``command`` to its end and return its exit status (-1 when stopped before it started)."""
+        with self._lock:
+            if self._stopped:
+                return -1
+            process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
+            self._running.append(process)
+        try:
+            return process.wait()
+        finally:
+            with self._lock:
+                self._running.remove(process)
+
+    def stop(self) -> None:
+        """Terminate the running processes; start no other."""
+        with self._lock:
+            self._stopped = True
+            for process in self._running:
+                process.terminate()
+
+
+def _run_configuration(
+    config: BenchConfig, name: str, folder: str, children: "_Children"
+) -> Tuple[Dict[str, Any], Dict[int, int]]:
     """One configuration in a process of its own under callgrind: ``(what the child wrote, its
-    dumps)``. A fresh process per configuration starts every configuration from the same heap:
-    run one after another in one process, each inherited the allocator state the ones before it
-    left, and ``plain-sdk`` read from +0.01 M to +1.7 M per call over ``plain`` (BENCHMARKS.md).
+    dumps)``, in ``folder``. A fresh process keeps one configuration's heap out of the next one's
+    (the module docstring says what it does not remove).
 
     Raises:
         BenchUsageError: the process under valgrind failed, or its dumps do not match its markers.
     """
-    folder = os.path.join(workdir, name)
     os.makedirs(folder)
     spec_path = os.path.join(folder, "spec.json")
     child_path = os.path.join(folder, "child.json")
@@ -312,16 +356,15 @@ def _run_configuration(config: BenchConfig, name: str, workdir: str) -> Tuple[Di
     env.update(SINGLE_THREAD_ENV)
     env.update(HASH_SEED_ENV)
     # the process's own progress lines go to this stderr; valgrind's messages to its log
-    done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL)
-    if done.returncode != 0 or not os.path.exists(child_path):
+    returncode = children.run(command, env)
+    if returncode != 0 or not os.path.exists(child_path):
         try:
             with open(log_path, encoding="utf-8", errors="replace") as handle:
                 tail = "\n".join(handle.read().strip().splitlines()[-15:])
         except OSError:
             tail = ""
         raise BenchUsageError(
-            f"the process under valgrind for {name!r} failed (exit status {done.returncode}); "
-            f"valgrind's log ends:\n{tail}"
+            f"the process under valgrind for {name!r} failed (exit status {returncode}); valgrind's log ends:\n{tail}"
         )
     with open(child_path, encoding="utf-8") as handle:
         child = json.load(handle)

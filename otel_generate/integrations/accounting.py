@@ -235,7 +235,7 @@ def account_loop(loop: Any, call_result: Any, exc: Optional[BaseException]) -> N
             final = int(sequences.shape[-1])
             while lengths and lengths[-1] > final:
                 del lengths[-1], times[-1], done[-1:]
-            if recorder.implied_lengths and lengths and lengths[-1] != final:
+            if recorder.implied_lengths and recorder.fault is None and lengths and lengths[-1] != final:
                 # one token a step was implied, yet the output is wider: the steps' tokens are not known
                 loop.incomplete = True
                 log_fault_once(

@@ -343,13 +343,22 @@ class Loop(LoopFrame):
             # a row may stop before the others
             keep_done=strategy in ROW_ALIGNED and rows_may_end_apart(criteria),
             token_offset=sum(sum(loop.step_tokens or _tokens_so_far(loop)) for loop in call.loops if loop is not self),
-            # transformers' own greedy and sampling loops append one token per row before each call
-            one_token_steps=strategy in ONE_TOKEN_STEPS
-            and self.prompt_length is not None
-            and self.kwargs.get("custom_generate") is None,
+            one_token_steps=self._runs_own_sample_loop(strategy),
         )
         self.criteria = RecordingCriteriaList(criteria, self.recorder)
         return self.criteria
+
+    def _runs_own_sample_loop(self, strategy: Optional[str]) -> bool:
+        """Whether this loop is transformers' own greedy or sampling loop, which appends exactly one
+        token per row before each stopping-criteria call: a ``GenerationMixin.generate`` call (not
+        an implicit loop, not a ``custom_generate``) of a model whose ``_sample`` is transformers' own."""
+        if strategy not in ONE_TOKEN_STEPS or self.prompt_length is None or self.implicit:
+            return False
+        if self.kwargs.get("custom_generate") is not None or self.call.custom_generate is not None:
+            return False
+        from transformers.generation.utils import GenerationMixin  # (imported: generate() is running)
+
+        return getattr(type(self.model), "_sample", None) is GenerationMixin._sample
 
     def close(self, result: Any = None, read_clock: bool = True) -> None:
         """The loop returned (``result``) or raised; ``read_clock=False`` when it ends with its

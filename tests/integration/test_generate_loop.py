@@ -674,6 +674,34 @@ def test_a_step_is_recorded_by_the_list_itself_unless_a_row_may_stop_early(
         assert span.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] == sum(expected)
 
 
+def test_a_model_with_its_own_sample_loop_has_its_lengths_read(instrumented, span_exporter, gpt2, monkeypatch):
+    """Only transformers' own ``_sample`` is known to append one token per step: a model class that
+    overrides it (here a pass-through) gets its lengths read, not implied."""
+    from transformers.generation.utils import GenerationMixin
+
+    from otel_generate.integrations import step_hook
+
+    lists = []
+    init = step_hook.RecordingCriteriaList.__init__
+
+    def keep(self, criteria, recorder):
+        init(self, criteria, recorder)
+        lists.append(self)
+
+    def _sample(self, *args, **kwargs):
+        return GenerationMixin._sample(self, *args, **kwargs)
+
+    monkeypatch.setattr(step_hook.RecordingCriteriaList, "__init__", keep)
+    monkeypatch.setattr(type(gpt2), "_sample", _sample, raising=False)
+    ids, mask = prompt(seed=5)
+    output = gpt2.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=None)
+    (criteria,) = lists
+    assert criteria._plain is not None and not criteria.recorder.implied_lengths
+    assert criteria.recorder.lengths == list(range(ids.shape[-1] + 1, output.shape[-1] + 1))
+    (span,) = request_spans(span_exporter)
+    assert span.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] == ids.shape[0] * (output.shape[-1] - ids.shape[-1])
+
+
 def test_no_span_leaks_into_context_after_generate(instrumented, gpt2):
     ids, mask = prompt()
     before = trace.get_current_span()

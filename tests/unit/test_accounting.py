@@ -174,6 +174,20 @@ def test_implied_lengths_a_wider_output_marks_the_request_incomplete(caplog):
     assert call.request.output_tokens == 4  # counted from the tensor, as always
 
 
+def test_implied_lengths_after_a_step_hook_fault_log_no_second_fault(caplog):
+    # the recorder stopped at its 2nd step (a fault): fewer steps than the output, as any fault leaves
+    sequences = torch.tensor([PROMPT[0] + [5, 6, 7, 8]])
+    call = make_call()
+    loop = make_loop(call, sequences, config(eos_token_id=None), steps=[4, 5])
+    _implied(loop, 2)
+    loop.recorder.fault = RuntimeError("the clock raised")
+
+    accounting.account_call(call, sequences, None)
+
+    assert "implied step lengths" not in caplog.text
+    assert call.request.step_tokens == [1, 1]
+
+
 def test_max_length_gives_the_budget_and_sampling_its_parameters():
     sequences = torch.tensor([PROMPT[0] + [5, 6]])
     call = make_call()

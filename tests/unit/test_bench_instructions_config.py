@@ -158,6 +158,36 @@ def test_outputs_compared_with_plain_across_processes():
     assert identical == {"plain": True, "all-step-spans": False, "unsampled": False}
 
 
+def test_a_failed_process_names_its_configuration_and_exits_2(monkeypatch, tmp_path, capsys):
+    started = []
+
+    class FailingProcess:
+        def __init__(self, command, env, stdout):
+            started.append(command[-1])  # the spec's path: <workdir>/cNN/spec.json
+
+        def wait(self):
+            return 1
+
+        def terminate(self):
+            pass
+
+    monkeypatch.setattr(instructions.shutil, "which", lambda name: "/usr/bin/valgrind")
+    monkeypatch.setattr(instructions.subprocess, "Popen", FailingProcess)
+    out = tmp_path / "out.json"
+    assert run_cli("--instructions", "--configurations", "plain,unsampled", "--output", str(out)) == 2
+    err = capsys.readouterr().err
+    assert "the process under valgrind for 'plain' failed (exit status 1)" in err and not out.exists()
+    # folders of one length for every configuration: the child's arguments move no allocation
+    assert {len(path) for path in started} == {len(started[0])} and started[0].endswith("c00/spec.json")
+
+
+def test_stopped_children_start_no_other_process(monkeypatch):
+    monkeypatch.setattr(instructions.subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
+    children = instructions._Children()
+    children.stop()
+    assert children.run(["valgrind"], {}) == -1
+
+
 def test_span_processor_exports_at_flush_not_on_the_sdk_timer():
     """The processor under valgrind exports at a flush (or a full batch), never after the SDK's 5 s timer."""
     import time
