@@ -178,7 +178,9 @@ def test_a_failed_process_names_its_configuration_and_exits_2(monkeypatch, tmp_p
     err = capsys.readouterr().err
     assert "the process under valgrind for 'plain' failed (exit status 1)" in err and not out.exists()
     # folders of one length for every configuration: the child's arguments move no allocation
-    assert {len(path) for path in started} == {len(started[0])} and started[0].endswith("c00/spec.json")
+    # (two workers: either process may start first, and the other may not start at all)
+    assert {len(path) for path in started} == {len(started[0])}
+    assert any(path.endswith("c00/spec.json") for path in started)
 
 
 def test_stopped_children_start_no_other_process(monkeypatch):
