@@ -40,6 +40,37 @@ def same_code(function: Any, known: str) -> bool:
     return code_of(inspect.getsource(function)) == code_of(known)
 
 
+def body_of(source: str) -> str:
+    """The code of ``source`` (one function) with its decorators, annotations and docstring left
+    out: what it runs, whatever its signature's type hints say.
+
+    Raises:
+        SyntaxError: ``source`` is not Python.
+    """
+    tree = ast.parse(textwrap.dedent(source))
+    function = tree.body[0]
+    if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        function.decorator_list = []
+        function.returns = None
+        arguments = function.args
+        for argument in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs):
+            argument.annotation = None
+        for argument in (arguments.vararg, arguments.kwarg):
+            if argument is not None:
+                argument.annotation = None
+    return code_of(ast.unparse(tree))
+
+
+def same_body(function: Any, known: str) -> bool:
+    """Whether ``function`` runs the code ``known`` (:func:`body_of` of both: decorators and
+    annotations aside).
+
+    Raises:
+        OSError, TypeError: ``function``'s source cannot be read.
+    """
+    return body_of(inspect.getsource(function)) == body_of(known)
+
+
 def code_digest(functions: Iterable[Any]) -> str:
     """sha256 (hex) of the functions' code, in order (for code too long to quote).
 

@@ -231,7 +231,7 @@ def inter_token_latencies_s(
     starts = request.step_starts_ns
     if (
         1 < count <= len(ends)
-        and min(tokens) == 1 == max(tokens)
+        and tokens.count(1) == count  # (every step one token; count() compares in C, identity first)
         and prefill <= {0}
         and (starts is None or starts[1:count] == ends[: count - 1])  # steps back to back
     ):

@@ -198,9 +198,11 @@ def finish_reasons(
     return reasons
 
 
-def step_tokens(lengths: Iterable[int], prompt_length: int) -> List[int]:
-    """Tokens appended per sequence by each step, from the sequence length seen after each step."""
-    lengths = list(lengths)
-    if lengths and lengths == list(range(lengths[0], lengths[0] + len(lengths))):  # one token a step
+def step_tokens(lengths: Iterable[int], prompt_length: int, consecutive: bool = False) -> List[int]:
+    """Tokens appended per sequence by each step, from the sequence length seen after each step.
+    ``consecutive``: the caller knows the lengths grow by one a step (they were implied, not read:
+    :meth:`~otel_generate.integrations.step_hook.StepRecorder.step_lengths`), so they are not compared."""
+    lengths = lengths if type(lengths) is list else list(lengths)
+    if lengths and (consecutive or lengths == list(range(lengths[0], lengths[0] + len(lengths)))):  # one token a step
         return [lengths[0] - prompt_length] + [1] * (len(lengths) - 1)
     return list(map(operator.sub, lengths, [prompt_length] + lengths[:-1]))

@@ -248,7 +248,11 @@ def account_loop(loop: Any, call_result: Any, exc: Optional[BaseException]) -> N
     if call.timed and exc is None and prompt_length is None:
         _missed_hook(loop)  # the prompt width was never learned: no token accounting
     loop.step_ends_ns = times
-    loop.step_tokens = step_tokens(lengths, prompt_length if prompt_length is not None else 0)
+    loop.step_tokens = step_tokens(
+        lengths,
+        prompt_length if prompt_length is not None else 0,
+        consecutive=recorder is not None and recorder.implied_lengths,
+    )
 
     # --- token accounting from the tensors themselves -----------------------------------
     eos = pad = max_new = None

@@ -12,18 +12,25 @@ no row that may stop before the others, no callback), the list appends them itse
 addition, the loop is transformers' own greedy or sampling loop (``one_token_steps``: it appends
 exactly one token per row before each call), the length is not read at all: after step ``i`` it
 is the prompt width plus ``i + 1`` (:meth:`StepRecorder.step_lengths`; the accounting checks it
-against the returned sequences). Spans are
+against the returned sequences). On that plain path the list runs ``StoppingCriteriaList.__call__``'s
+own code in its own frame rather than calling it (one Python call less a step, about 1,200
+instructions), only where the installed code is exactly the code it repeats
+(:func:`criteria_call_known`, checked once per process). Spans are
 built from these numbers only after ``generate()`` returns, so the loop pays no span cost, and
 the criteria's result is never touched.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 from typing import Callable, List, Optional, Tuple
 
+import torch
 from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria, StoppingCriteriaList
 
 from otel_generate._faults import Fault
+from otel_generate._sdk_code import same_body
 
 #: Stopping criteria that end every row at the same step (the length budget, ``max_time``).
 _ALL_ROWS_AT_ONCE = (MaxLengthCriteria, MaxTimeCriteria)
@@ -153,11 +160,45 @@ class StepRecorder:
         self._on_fault(Fault.STEP_HOOK, exc)
 
 
+#: The body of transformers' ``StoppingCriteriaList.__call__`` (4.46 to 5.24 alike) that
+#: :class:`RecordingCriteriaList` repeats on its plain path, saving a call per step; compared with
+#: the installed code (:func:`criteria_call_known`) before it is relied on.
+_CRITERIA_CALL_SOURCE = """
+def __call__(self, input_ids, scores, **kwargs):
+    is_done = torch.full((input_ids.shape[0],), False, device=input_ids.device, dtype=torch.bool)
+    for criteria in self:
+        is_done = is_done | criteria(input_ids, scores, **kwargs)
+    return is_done
+"""
+_criteria_call_known: Optional[bool] = None
+
+
+def criteria_call_known() -> bool:
+    """Whether the installed ``StoppingCriteriaList.__call__`` runs exactly
+    :data:`_CRITERIA_CALL_SOURCE` (its signature's annotations and decorators aside), with the
+    ``torch`` its module names being this ``torch`` (read once per process)."""
+    global _criteria_call_known
+    if _criteria_call_known is None:
+        try:
+            call = StoppingCriteriaList.__dict__["__call__"]
+            module = sys.modules[call.__module__]
+            _criteria_call_known = (
+                inspect.isfunction(call)
+                and not hasattr(call, "__wrapped__")  # (a wrapper's source would read as the function's)
+                and same_body(call, _CRITERIA_CALL_SOURCE)
+                and vars(module).get("torch") is torch
+            )
+        except Exception:  # no source, another layout: never relied on
+            _criteria_call_known = False
+    return _criteria_call_known
+
+
 class RecordingCriteriaList(StoppingCriteriaList):
     """A ``StoppingCriteriaList`` that reports each call to a :class:`StepRecorder`.
 
     It holds the same criteria and returns exactly what ``StoppingCriteriaList`` returns: a
-    BoolTensor ``(rows,)``, ``True`` where a row is done.
+    BoolTensor ``(rows,)``, ``True`` where a row is done. On the plain path (:attr:`_plain`) it
+    runs that call's own code in its own frame (:func:`criteria_call_known`), then appends.
     """
 
     def __init__(self, criteria, recorder: StepRecorder) -> None:
@@ -167,8 +208,25 @@ class RecordingCriteriaList(StoppingCriteriaList):
         #: appends (no device to wait for, no ``is_done`` kept, no callback, no candidate calls to
         #: skip): then this call appends them itself, the recorder's own call saved
         self._plain = recorder.plain_appends()
+        #: the same, where ``StoppingCriteriaList.__call__`` is the code this call repeats inline
+        self._inline = self._plain if criteria_call_known() else None
 
     def __call__(self, input_ids, scores, **kwargs):
+        plain = self._inline
+        if plain is not None and self.recorder.fault is None:
+            # StoppingCriteriaList.__call__'s own code (criteria_call_known), without the call
+            is_done = torch.full((input_ids.shape[0],), False, device=input_ids.device, dtype=torch.bool)
+            for criteria in self:
+                is_done = is_done | criteria(input_ids, scores, **kwargs)
+            append_time, append_length, clock = plain
+            try:
+                append_time(clock())
+                if append_length is not None:  # (None: the lengths are implied, one token a step)
+                    append_length(input_ids.shape[-1])
+            except Exception as exc:  # never break generation: the recorder stops, as after its own fault
+                self._plain = self._inline = None
+                self.recorder._fail(exc)
+            return is_done
         if kwargs:
             is_done = StoppingCriteriaList.__call__(self, input_ids, scores, **kwargs)
         else:  # (how transformers calls it: no keyword to pass on)
@@ -183,6 +241,6 @@ class RecordingCriteriaList(StoppingCriteriaList):
             if append_length is not None:  # (None: the lengths are implied, one token a step)
                 append_length(input_ids.shape[-1])
         except Exception as exc:  # never break generation: the recorder stops, as after its own fault
-            self._plain = None
+            self._plain = self._inline = None
             self.recorder._fail(exc)
         return is_done

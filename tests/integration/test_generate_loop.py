@@ -946,3 +946,105 @@ def test_uninstrument_restores_every_target_of_the_patch_table(tracer_provider, 
     assert any(owner.__name__ == "TracerProvider" for owner, _ in changed)  # the drain hooks too
     # and after uninstrument() every one of them is the original object again
     assert {key: value for key, value in after.items() if value is not before[key]} == {}
+
+
+# --- the plain step path runs StoppingCriteriaList's own code inline ------------------------------
+
+
+def _recording_list(criteria, one_token_steps=True):
+    import time
+
+    from otel_generate.integrations.step_hook import RecordingCriteriaList, StepRecorder
+
+    recorder = StepRecorder(None, time.perf_counter_ns, 0, 3, lambda *a: None, one_token_steps=one_token_steps)
+    return RecordingCriteriaList(criteria, recorder)
+
+
+def test_the_installed_criteria_call_is_the_code_repeated_inline(instrumented, gpt2, monkeypatch):
+    """On transformers 4.46 and 5.x alike the list's call is the known code: greedy decoding takes
+    the inline path, and every step is recorded."""
+    from otel_generate.integrations import step_hook
+
+    assert step_hook.criteria_call_known()
+    lists = []
+    init = step_hook.RecordingCriteriaList.__init__
+
+    def keep(self, criteria, recorder):
+        init(self, criteria, recorder)
+        lists.append(self)
+
+    monkeypatch.setattr(step_hook.RecordingCriteriaList, "__init__", keep)
+    ids, mask = prompt(seed=3)
+    output = gpt2.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=None)
+    (criteria,) = lists
+    assert criteria._inline is not None and criteria._inline is criteria._plain
+    assert len(criteria.recorder.times_ns) == output.shape[-1] - ids.shape[-1] == 5
+
+
+def test_the_inline_call_returns_what_the_list_returns_and_passes_keywords_on():
+    from transformers.generation.stopping_criteria import MaxLengthCriteria
+
+    seen = []
+
+    class Budget(MaxLengthCriteria):  # (a subclass: not a plain path) so the plain one is forced below
+        def __call__(self, input_ids, scores, **kwargs):
+            seen.append(kwargs)
+            return super().__call__(input_ids, scores, **kwargs)
+
+    criteria = [MaxLengthCriteria(max_length=4)]
+    recording = _recording_list(criteria)
+    assert recording._inline is not None
+    for length in (3, 4, 6):
+        ids = torch.zeros((2, length), dtype=torch.long)
+        expected = StoppingCriteriaList(criteria)(ids, None)
+        got = recording(ids, None)
+        assert got.dtype == expected.dtype == torch.bool and torch.equal(got, expected)
+    assert len(recording.recorder.times_ns) == 3
+    recording = _recording_list([Budget(max_length=4)])
+    recording._inline = recording._plain = recording.recorder.plain_appends()  # forced plain
+    recording(torch.zeros((1, 4), dtype=torch.long), None, extra=1)
+    assert seen == [{"extra": 1}] and len(recording.recorder.times_ns) == 1
+
+
+def test_a_criterion_that_raises_raises_through_the_inline_call_unrecorded():
+    class Broken(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            raise RuntimeError("criterion broke")
+
+    recording = _recording_list([Broken()])
+    recording._inline = recording._plain = recording.recorder.plain_appends()
+    with pytest.raises(RuntimeError, match="criterion broke"):
+        recording(torch.zeros((1, 4), dtype=torch.long), None)
+    assert recording.recorder.times_ns == [] and recording.recorder.fault is None
+
+
+@pytest.mark.parametrize("change", ["other code", "wrapped"])
+def test_a_criteria_call_other_than_the_known_code_is_called_not_repeated(change, monkeypatch):
+    import functools
+
+    from transformers.generation.stopping_criteria import MaxLengthCriteria
+
+    from otel_generate.integrations import step_hook
+
+    original = StoppingCriteriaList.__call__
+    calls = []
+    if change == "other code":
+
+        def replacement(self, input_ids, scores, **kwargs):
+            calls.append(input_ids.shape)
+            return torch.ones((input_ids.shape[0],), dtype=torch.bool)
+    else:
+
+        @functools.wraps(original)
+        def replacement(self, input_ids, scores, **kwargs):
+            calls.append(input_ids.shape)
+            return original(self, input_ids, scores, **kwargs)
+
+    monkeypatch.setattr(StoppingCriteriaList, "__call__", replacement)
+    monkeypatch.setattr(step_hook, "_criteria_call_known", None)
+    assert not step_hook.criteria_call_known()
+    recording = _recording_list([MaxLengthCriteria(max_length=100)])
+    assert recording._inline is None and recording._plain is not None
+    done = recording(torch.zeros((2, 4), dtype=torch.long), None)
+    assert calls == [torch.Size([2, 4])] and len(recording.recorder.times_ns) == 1
+    assert done.tolist() == ([True, True] if change == "other code" else [False, False])

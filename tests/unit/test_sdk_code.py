@@ -28,3 +28,18 @@ def test_the_digest_follows_the_code_and_the_order():
 
     assert code_digest([reference, other]) == code_digest([reference, other])
     assert code_digest([reference, other]) != code_digest([other, reference])
+
+
+def test_a_body_is_compared_without_decorators_and_annotations_a_parameter_still_counts():
+    from otel_generate._sdk_code import body_of, same_body
+
+    annotated = "@wraps(x)\ndef f(self, a: int, *rest: str, b: 'T' = 1, **more: float) -> bool:\n    return a\n"
+    assert body_of(annotated) == body_of("def f(self, a, *rest, b=1, **more):\n    'doc'\n    return a\n")
+    assert body_of(annotated) != body_of("def f(self, a, *rest, b=2, **more):\n    return a\n")
+    assert body_of(annotated) != body_of("def f(self, a, *rest, b=1, **more):\n    return b\n")
+    assert same_body(
+        reference,
+        "def reference(self: object, value: int) -> tuple:\n"
+        "    if value:\n        return (value, self)\n    return None",
+    )
+    assert not same_body(reference, "def reference(self, value):\n    return None")
