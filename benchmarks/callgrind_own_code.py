@@ -22,6 +22,12 @@ inside the original another hook calls). Two pairs are used:
   (C ``filterfalse_next``: on) and call their originals (and ``StoppingCriteriaList.__call__``)
   through ``itertools.dropwhile`` (C ``dropwhile_next``: off).
 
+The step list is counted on the path that calls ``StoppingCriteriaList.__call__`` (through the
+off-wrapper), not on the path that runs that call's code in its own frame
+(:func:`otel_generate.integrations.step_hook.criteria_call_known`, taken in a real process), whose
+tensor work could not be told apart from the hook's: ``callgrind_step_list.py`` counts what the
+inline path saves per step, to subtract from this count per step (128 a call).
+
 Nothing else in a ``generate()`` call uses these four, so the count is the hooks' own work: the
 request's set-up, every step's recording, the accounting, the derivation and the emission (span
 and metrics), with the Python calls into them. The wrappers that switch collection off run partly
@@ -142,6 +148,9 @@ def child(config: str, n: int, folder: str) -> None:
         setattr(generate_loop, name, inner_factory(getattr(generate_loop, name)))
     step_hook.RecordingCriteriaList.__call__ = counted_inner(step_hook.RecordingCriteriaList.__call__)
     StoppingCriteriaList.__call__ = not_counted_inner(StoppingCriteriaList.__call__)
+    # the list calls StoppingCriteriaList.__call__ (the wrapper above), never runs its code inline:
+    # that code would be counted as the hook's (see the module docstring)
+    step_hook._criteria_call_known = False
 
     options = {"max_step_spans": 0} if config == "step-spans-off" else {}
     call = callgrind_workload.tiny_gpt2_calls(config != "unsampled", options)  # (3 warm-up calls)
