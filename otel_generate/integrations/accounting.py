@@ -322,15 +322,24 @@ def _config_parameters(params: Dict[str, Any], config: Any, max_new: Any) -> Non
         )
 
 
+#: ``(StopStringCriteria, MaxTimeCriteria)``, imported with the first criteria list accounted (an
+#: import statement per request costs about as much as the rest of this function)
+_criteria_types: Optional[tuple] = None
+
+
 def _stop_string_and_time_criteria(criteria: Any) -> tuple:
     """The ``StopStringCriteria`` of a loop's criteria list, and its ``MaxTimeCriteria`` deadlines
     (wall-clock seconds); empty without a criteria list (then transformers is not imported here)."""
+    global _criteria_types
     if criteria is None:
         return [], []
-    from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
+    if _criteria_types is None:
+        from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
 
-    stop = [c for c in criteria if isinstance(c, StopStringCriteria)]
-    deadlines = [c.initial_timestamp + c.max_time for c in criteria if isinstance(c, MaxTimeCriteria)]
+        _criteria_types = (StopStringCriteria, MaxTimeCriteria)
+    stop_type, time_type = _criteria_types
+    stop = [c for c in criteria if isinstance(c, stop_type)]
+    deadlines = [c.initial_timestamp + c.max_time for c in criteria if isinstance(c, time_type)]
     return stop, deadlines
 
 

@@ -325,13 +325,17 @@ class Loop(LoopFrame):
 
     def recording_criteria(self, criteria: Any, generation_config: Any) -> Any:
         """``_get_stopping_criteria``'s list, as a :class:`RecordingCriteriaList` feeding this loop."""
-        from otel_generate.integrations.step_hook import RecordingCriteriaList, StepRecorder, rows_may_end_apart
+        global _step_hook
+        if _step_hook is None:  # (it imports transformers: only once a loop runs)
+            from otel_generate.integrations import step_hook
 
+            _step_hook = step_hook
+        hook = _step_hook
         if self.generation_config is None:
             self.generation_config = generation_config
         strategy = self.strategy()
         call = self.call
-        self.recorder = StepRecorder(
+        self.recorder = hook.StepRecorder(
             call.sync,
             clock.monotonic_ns,
             self.start_ns,
@@ -341,11 +345,11 @@ class Loop(LoopFrame):
             skip_candidate_calls=call.telemetry.skip_candidate_calls and strategy == A.STRATEGY_ASSISTED,
             # one is_done row per returned sequence (not beam search's flattened candidates), when
             # a row may stop before the others
-            keep_done=strategy in ROW_ALIGNED and rows_may_end_apart(criteria),
+            keep_done=strategy in ROW_ALIGNED and hook.rows_may_end_apart(criteria),
             token_offset=sum(sum(loop.step_tokens or _tokens_so_far(loop)) for loop in call.loops if loop is not self),
             one_token_steps=self._runs_own_sample_loop(strategy),
         )
-        self.criteria = RecordingCriteriaList(criteria, self.recorder)
+        self.criteria = hook.RecordingCriteriaList(criteria, self.recorder)
         return self.criteria
 
     def _runs_own_sample_loop(self, strategy: Optional[str]) -> bool:
@@ -356,9 +360,12 @@ class Loop(LoopFrame):
             return False
         if self.kwargs.get("custom_generate") is not None or self.call.custom_generate is not None:
             return False
-        from transformers.generation.utils import GenerationMixin  # (imported: generate() is running)
+        global _generation_mixin
+        if _generation_mixin is None:
+            from transformers.generation.utils import GenerationMixin  # (imported: generate() is running)
 
-        return getattr(type(self.model), "_sample", None) is GenerationMixin._sample
+            _generation_mixin = GenerationMixin
+        return getattr(type(self.model), "_sample", None) is _generation_mixin._sample
 
     def close(self, result: Any = None, read_clock: bool = True) -> None:
         """The loop returned (``result``) or raised; ``read_clock=False`` when it ends with its
@@ -381,6 +388,12 @@ class Loop(LoopFrame):
             except Exception as fault:
                 log_fault_once(Fault.KEY_VALUE_CACHE_SIZE, fault)
             self.cache = None
+
+
+#: :mod:`otel_generate.integrations.step_hook` and transformers' ``GenerationMixin``, imported by
+#: the first loop that needs them (not when this module is: it loads before transformers may be)
+_step_hook: Any = None
+_generation_mixin: Any = None
 
 
 def _tokens_so_far(loop: Loop) -> List[int]:
