@@ -13,7 +13,7 @@ addition, the loop is transformers' own greedy or sampling loop (``one_token_ste
 exactly one token per row before each call), the length is not read at all: after step ``i`` it
 is the prompt width plus ``i + 1`` (:meth:`StepRecorder.step_lengths`; the accounting checks it
 against the returned sequences). On that plain path the list runs ``StoppingCriteriaList.__call__``'s
-own code in its own frame rather than calling it (one Python call less a step, about 1,200
+own code in its own frame rather than calling it (one Python call less a step, about 1,500
 instructions), only where the installed code is exactly the code it repeats
 (:func:`criteria_call_known`, checked once per process). Spans are
 built from these numbers only after ``generate()`` returns, so the loop pays no span cost, and
