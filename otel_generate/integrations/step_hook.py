@@ -15,7 +15,8 @@ is the prompt width plus ``i + 1`` (:meth:`StepRecorder.step_lengths`; the accou
 against the returned sequences). On that plain path the list runs ``StoppingCriteriaList.__call__``'s
 own code in its own frame rather than calling it (one Python call less a step, about 1,500
 instructions), only where the installed code is exactly the code it repeats
-(:func:`criteria_call_known`, checked once per process). Spans are
+(:func:`criteria_call_known`, read once per function object) and, at every call, still the
+function that was checked (a later patch of it is called, as transformers would call it). Spans are
 built from these numbers only after ``generate()`` returns, so the loop pays no span cost, and
 the criteria's result is never touched.
 """
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria, StoppingCriteriaList
@@ -170,35 +171,42 @@ def __call__(self, input_ids, scores, **kwargs):
         is_done = is_done | criteria(input_ids, scores, **kwargs)
     return is_done
 """
-_criteria_call_known: Optional[bool] = None
+#: the ``StoppingCriteriaList.__call__`` last checked, and whether it is the known code
+_checked_call: Tuple[Any, bool] = (None, False)
 
 
 def criteria_call_known() -> bool:
     """Whether the installed ``StoppingCriteriaList.__call__`` runs exactly
-    :data:`_CRITERIA_CALL_SOURCE` (its signature's annotations and decorators aside), with the
-    ``torch`` its module names being this ``torch`` (read once per process)."""
-    global _criteria_call_known
-    if _criteria_call_known is None:
-        try:
-            call = StoppingCriteriaList.__dict__["__call__"]
-            module = sys.modules[call.__module__]
-            _criteria_call_known = (
-                inspect.isfunction(call)
-                and not hasattr(call, "__wrapped__")  # (a wrapper's source would read as the function's)
-                and same_body(call, _CRITERIA_CALL_SOURCE)
-                and vars(module).get("torch") is torch
-            )
-        except Exception:  # no source, another layout: never relied on
-            _criteria_call_known = False
-    return _criteria_call_known
+    :data:`_CRITERIA_CALL_SOURCE` (its signature's annotations and decorators aside), is a plain
+    function (not a wrapper, whose source would read as the function's) and its module's ``torch``
+    is this ``torch``. Read once per function object: checked again when the attribute is replaced."""
+    global _checked_call
+    call = StoppingCriteriaList.__dict__.get("__call__")
+    checked, known = _checked_call
+    if call is checked and call is not None:
+        return known
+    try:
+        module = sys.modules[call.__module__]
+        known = bool(
+            inspect.isfunction(call)
+            and not hasattr(call, "__wrapped__")
+            and same_body(call, _CRITERIA_CALL_SOURCE)
+            and vars(module).get("torch") is torch
+        )
+    except Exception:  # no source, another layout: never relied on
+        known = False
+    _checked_call = (call, known)
+    return known
 
 
 class RecordingCriteriaList(StoppingCriteriaList):
     """A ``StoppingCriteriaList`` that reports each call to a :class:`StepRecorder`.
 
     It holds the same criteria and returns exactly what ``StoppingCriteriaList`` returns: a
-    BoolTensor ``(rows,)``, ``True`` where a row is done. On the plain path (:attr:`_plain`) it
-    runs that call's own code in its own frame (:func:`criteria_call_known`), then appends.
+    BoolTensor ``(rows,)``, ``True`` where a row is done. On the plain path (:attr:`_plain`), where
+    the installed ``StoppingCriteriaList.__call__`` is the known code (:func:`criteria_call_known`)
+    and is still the function checked when the list was built (each call compares it), it runs
+    that code in its own frame (:attr:`_inline`), then appends; otherwise it calls it.
     """
 
     def __init__(self, criteria, recorder: StepRecorder) -> None:
@@ -210,10 +218,12 @@ class RecordingCriteriaList(StoppingCriteriaList):
         self._plain = recorder.plain_appends()
         #: the same, where ``StoppingCriteriaList.__call__`` is the code this call repeats inline
         self._inline = self._plain if criteria_call_known() else None
+        #: that function: a call repeats its code only while it is still the one installed
+        self._known_call = StoppingCriteriaList.__dict__.get("__call__") if self._inline is not None else None
 
     def __call__(self, input_ids, scores, **kwargs):
         plain = self._inline
-        if plain is not None and self.recorder.fault is None:
+        if plain is not None and StoppingCriteriaList.__call__ is self._known_call and self.recorder.fault is None:
             # StoppingCriteriaList.__call__'s own code (criteria_call_known), without the call
             is_done = torch.full((input_ids.shape[0],), False, device=input_ids.device, dtype=torch.bool)
             for criteria in self:

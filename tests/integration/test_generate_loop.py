@@ -986,7 +986,7 @@ def test_the_inline_call_returns_what_the_list_returns_and_passes_keywords_on():
 
     seen = []
 
-    class Budget(MaxLengthCriteria):  # (a subclass: not a plain path) so the plain one is forced below
+    class Budget(MaxLengthCriteria):
         def __call__(self, input_ids, scores, **kwargs):
             seen.append(kwargs)
             return super().__call__(input_ids, scores, **kwargs)
@@ -1001,7 +1001,7 @@ def test_the_inline_call_returns_what_the_list_returns_and_passes_keywords_on():
         assert got.dtype == expected.dtype == torch.bool and torch.equal(got, expected)
     assert len(recording.recorder.times_ns) == 3
     recording = _recording_list([Budget(max_length=4)])
-    recording._inline = recording._plain = recording.recorder.plain_appends()  # forced plain
+    assert recording._inline is not None
     recording(torch.zeros((1, 4), dtype=torch.long), None, extra=1)
     assert seen == [{"extra": 1}] and len(recording.recorder.times_ns) == 1
 
@@ -1012,7 +1012,7 @@ def test_a_criterion_that_raises_raises_through_the_inline_call_unrecorded():
             raise RuntimeError("criterion broke")
 
     recording = _recording_list([Broken()])
-    recording._inline = recording._plain = recording.recorder.plain_appends()
+    assert recording._inline is not None
     with pytest.raises(RuntimeError, match="criterion broke"):
         recording(torch.zeros((1, 4), dtype=torch.long), None)
     assert recording.recorder.times_ns == [] and recording.recorder.fault is None
@@ -1040,11 +1040,43 @@ def test_a_criteria_call_other_than_the_known_code_is_called_not_repeated(change
             calls.append(input_ids.shape)
             return original(self, input_ids, scores, **kwargs)
 
+    assert step_hook.criteria_call_known()  # (the installed code, checked before the patch)
     monkeypatch.setattr(StoppingCriteriaList, "__call__", replacement)
-    monkeypatch.setattr(step_hook, "_criteria_call_known", None)
     assert not step_hook.criteria_call_known()
     recording = _recording_list([MaxLengthCriteria(max_length=100)])
     assert recording._inline is None and recording._plain is not None
     done = recording(torch.zeros((2, 4), dtype=torch.long), None)
     assert calls == [torch.Size([2, 4])] and len(recording.recorder.times_ns) == 1
     assert done.tolist() == ([True, True] if change == "other code" else [False, False])
+
+
+def test_a_patch_after_the_list_was_built_is_called_not_bypassed(instrumented, span_exporter, gpt2, monkeypatch):
+    """A list built while the known code was installed calls a later replacement of
+    ``StoppingCriteriaList.__call__`` (another instrumentation, a user's patch), as transformers
+    would: here one that stops every row at once, after one request took the inline path."""
+    from otel_generate.integrations import step_hook
+
+    lists = []
+    init = step_hook.RecordingCriteriaList.__init__
+
+    def keep(self, criteria, recorder):
+        init(self, criteria, recorder)
+        lists.append(self)
+
+    monkeypatch.setattr(step_hook.RecordingCriteriaList, "__init__", keep)
+    ids, mask = prompt(seed=11)
+    first = gpt2.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
+    assert first.shape[-1] - ids.shape[-1] == 8 and lists[0]._inline is not None
+
+    def stop_now(self, input_ids, scores, **kwargs):
+        return torch.ones((input_ids.shape[0],), dtype=torch.bool, device=input_ids.device)
+
+    monkeypatch.setattr(StoppingCriteriaList, "__call__", stop_now)
+    second = gpt2.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
+    expected = uninstrumented_generate(gpt2, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
+    assert torch.equal(second, expected) and second.shape[-1] - ids.shape[-1] == 1
+    assert lists[1]._inline is None  # built after the patch: the call path
+    # and a list built before the patch (a copy kept by a caller) calls the patch too
+    assert lists[0](torch.zeros((2, 3), dtype=torch.long), None).tolist() == [True, True]
+    outputs = [span.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] for span in request_spans(span_exporter)]
+    assert outputs == [8, 1]
