@@ -15,8 +15,8 @@ is the prompt width plus ``i + 1`` (:meth:`StepRecorder.step_lengths`; the accou
 against the returned sequences). On that plain path the list runs ``StoppingCriteriaList.__call__``'s
 own code in its own frame rather than calling it (one Python call less a step, about 1,500
 instructions), only where the installed code is exactly the code it repeats
-(:func:`criteria_call_known`, read once per function object) and, at every call, still the
-function that was checked (a later patch of it is called, as transformers would call it). Spans are
+(:func:`criteria_call_known`, read once per function object, when each request's list is
+built: a later patch of it is called from the next request on). Spans are
 built from these numbers only after ``generate()`` returns, so the loop pays no span cost, and
 the criteria's result is never touched.
 """
@@ -204,9 +204,12 @@ class RecordingCriteriaList(StoppingCriteriaList):
 
     It holds the same criteria and returns exactly what ``StoppingCriteriaList`` returns: a
     BoolTensor ``(rows,)``, ``True`` where a row is done. On the plain path (:attr:`_plain`), where
-    the installed ``StoppingCriteriaList.__call__`` is the known code (:func:`criteria_call_known`)
-    and is still the function checked when the list was built (each call compares it), it runs
-    that code in its own frame (:attr:`_inline`), then appends; otherwise it calls it.
+    the ``StoppingCriteriaList.__call__`` installed when the list was built is the known code
+    (:func:`criteria_call_known`), it runs that code in its own frame (:attr:`_inline`), then
+    appends; otherwise it calls it. A patch of ``StoppingCriteriaList.__call__`` made while a
+    request is decoding is therefore followed from the next request on (transformers would call it
+    from the next step); one made between requests, at once. Checking at every call would cost
+    about half of what the inline path saves.
     """
 
     def __init__(self, criteria, recorder: StepRecorder) -> None:
@@ -216,14 +219,13 @@ class RecordingCriteriaList(StoppingCriteriaList):
         #: appends (no device to wait for, no ``is_done`` kept, no callback, no candidate calls to
         #: skip): then this call appends them itself, the recorder's own call saved
         self._plain = recorder.plain_appends()
-        #: the same, where ``StoppingCriteriaList.__call__`` is the code this call repeats inline
+        #: the same, where ``StoppingCriteriaList.__call__`` is now the code this call repeats
+        #: inline (read when the list is built: a patch of it takes effect from the next request)
         self._inline = self._plain if criteria_call_known() else None
-        #: that function: a call repeats its code only while it is still the one installed
-        self._known_call = StoppingCriteriaList.__dict__.get("__call__") if self._inline is not None else None
 
     def __call__(self, input_ids, scores, **kwargs):
         plain = self._inline
-        if plain is not None and StoppingCriteriaList.__call__ is self._known_call and self.recorder.fault is None:
+        if plain is not None and self.recorder.fault is None:
             # StoppingCriteriaList.__call__'s own code (criteria_call_known), without the call
             is_done = torch.full((input_ids.shape[0],), False, device=input_ids.device, dtype=torch.bool)
             for criteria in self:
