@@ -13,7 +13,7 @@ addition, the loop is transformers' own greedy or sampling loop (``one_token_ste
 exactly one token per row before each call), the length is not read at all: after step ``i`` it
 is the prompt width plus ``i + 1`` (:meth:`StepRecorder.step_lengths`; the accounting checks it
 against the returned sequences). On that plain path the list runs ``StoppingCriteriaList.__call__``'s
-own code in its own frame rather than calling it (one Python call less a step, about 1,500
+own code in its own frame rather than calling it (one Python call less a step, about 1,300
 instructions), only where the installed code is exactly the code it repeats
 (:func:`criteria_call_known`, read once per function object, when each request's list is
 built: a later patch of it is called from the next request on). Spans are
@@ -208,8 +208,8 @@ class RecordingCriteriaList(StoppingCriteriaList):
     (:func:`criteria_call_known`), it runs that code in its own frame (:attr:`_inline`), then
     appends; otherwise it calls it. A patch of ``StoppingCriteriaList.__call__`` made while a
     request is decoding is therefore followed from the next request on (transformers would call it
-    from the next step); one made between requests, at once. Checking at every call would cost
-    about half of what the inline path saves.
+    from the next step); one made between requests is called by the next request. Checking at
+    every call would cost about half of what the inline path saves.
     """
 
     def __init__(self, criteria, recorder: StepRecorder) -> None:
