@@ -629,6 +629,22 @@ def test_fault_in_step_hook_is_logged_once_and_generation_goes_on(
     assert len(step_spans(span_exporter, first)) == 1
 
 
+@pytest.fixture
+def recording_lists(monkeypatch):
+    """Every ``RecordingCriteriaList`` built while the test runs, in order."""
+    from otel_generate.integrations import step_hook
+
+    lists = []
+    init = step_hook.RecordingCriteriaList.__init__
+
+    def keep(self, criteria, recorder):
+        init(self, criteria, recorder)
+        lists.append(self)
+
+    monkeypatch.setattr(step_hook.RecordingCriteriaList, "__init__", keep)
+    return lists
+
+
 def test_rows_may_end_apart_only_with_a_criterion_that_stops_rows_one_by_one():
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
@@ -643,18 +659,10 @@ def test_rows_may_end_apart_only_with_a_criterion_that_stops_rows_one_by_one():
 
 
 def test_a_step_is_recorded_by_the_list_itself_unless_a_row_may_stop_early(
-    instrumented, span_exporter, gpt2, monkeypatch
+    instrumented, span_exporter, gpt2, recording_lists
 ):
-    from otel_generate.integrations import step_hook
 
-    lists = []
-    init = step_hook.RecordingCriteriaList.__init__
-
-    def keep(self, criteria, recorder):
-        init(self, criteria, recorder)
-        lists.append(self)
-
-    monkeypatch.setattr(step_hook.RecordingCriteriaList, "__init__", keep)
+    lists = recording_lists
     ids, mask = prompt(seed=17, batch=2)
     outputs = [
         gpt2.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=eos, pad_token_id=PAD_TOKEN_ID)
@@ -674,24 +682,18 @@ def test_a_step_is_recorded_by_the_list_itself_unless_a_row_may_stop_early(
         assert span.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] == sum(expected)
 
 
-def test_a_model_with_its_own_sample_loop_has_its_lengths_read(instrumented, span_exporter, gpt2, monkeypatch):
+def test_a_model_with_its_own_sample_loop_has_its_lengths_read(
+    instrumented, span_exporter, gpt2, monkeypatch, recording_lists
+):
     """Only transformers' own ``_sample`` is known to append one token per step: a model class that
     overrides it (here a pass-through) gets its lengths read, not implied."""
     from transformers.generation.utils import GenerationMixin
 
-    from otel_generate.integrations import step_hook
-
-    lists = []
-    init = step_hook.RecordingCriteriaList.__init__
-
-    def keep(self, criteria, recorder):
-        init(self, criteria, recorder)
-        lists.append(self)
+    lists = recording_lists
 
     def _sample(self, *args, **kwargs):
         return GenerationMixin._sample(self, *args, **kwargs)
 
-    monkeypatch.setattr(step_hook.RecordingCriteriaList, "__init__", keep)
     monkeypatch.setattr(type(gpt2), "_sample", _sample, raising=False)
     ids, mask = prompt(seed=5)
     output = gpt2.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=None)
@@ -960,20 +962,13 @@ def _recording_list(criteria, one_token_steps=True):
     return RecordingCriteriaList(criteria, recorder)
 
 
-def test_the_installed_criteria_call_is_the_code_repeated_inline(instrumented, gpt2, monkeypatch):
+def test_the_installed_criteria_call_is_the_code_repeated_inline(instrumented, gpt2, recording_lists):
     """On transformers 4.46 and 5.x alike the list's call is the known code: greedy decoding takes
     the inline path, and every step is recorded."""
     from otel_generate.integrations import step_hook
 
     assert step_hook.criteria_call_known()
-    lists = []
-    init = step_hook.RecordingCriteriaList.__init__
-
-    def keep(self, criteria, recorder):
-        init(self, criteria, recorder)
-        lists.append(self)
-
-    monkeypatch.setattr(step_hook.RecordingCriteriaList, "__init__", keep)
+    lists = recording_lists
     ids, mask = prompt(seed=3)
     output = gpt2.generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=None)
     (criteria,) = lists
@@ -1050,21 +1045,15 @@ def test_a_criteria_call_other_than_the_known_code_is_called_not_repeated(change
     assert done.tolist() == ([True, True] if change == "other code" else [False, False])
 
 
-def test_a_patch_between_requests_is_called_not_bypassed(instrumented, span_exporter, gpt2, monkeypatch):
+def test_a_patch_between_requests_is_called_not_bypassed(
+    instrumented, span_exporter, gpt2, monkeypatch, recording_lists
+):
     """A replacement of ``StoppingCriteriaList.__call__`` (another instrumentation, a user's patch)
     made after a request took the inline path is called by the next request, as transformers
     would call it: here one that stops every row at once. A list is checked when it is built: one
     built before the patch (a request decoding while it is made) keeps the code it was built with."""
-    from otel_generate.integrations import step_hook
 
-    lists = []
-    init = step_hook.RecordingCriteriaList.__init__
-
-    def keep(self, criteria, recorder):
-        init(self, criteria, recorder)
-        lists.append(self)
-
-    monkeypatch.setattr(step_hook.RecordingCriteriaList, "__init__", keep)
+    lists = recording_lists
     ids, mask = prompt(seed=11)
     first = gpt2.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None)
     assert first.shape[-1] - ids.shape[-1] == 8 and lists[0]._inline is not None
