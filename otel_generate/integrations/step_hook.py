@@ -230,23 +230,15 @@ class RecordingCriteriaList(StoppingCriteriaList):
             is_done = torch.full((input_ids.shape[0],), False, device=input_ids.device, dtype=torch.bool)
             for criteria in self:
                 is_done = is_done | criteria(input_ids, scores, **kwargs)
-            append_time, append_length, clock = plain
-            try:
-                append_time(clock())
-                if append_length is not None:  # (None: the lengths are implied, one token a step)
-                    append_length(input_ids.shape[-1])
-            except Exception as exc:  # never break generation: the recorder stops, as after its own fault
-                self._plain = self._inline = None
-                self.recorder._fail(exc)
-            return is_done
-        if kwargs:
-            is_done = StoppingCriteriaList.__call__(self, input_ids, scores, **kwargs)
-        else:  # (how transformers calls it: no keyword to pass on)
-            is_done = StoppingCriteriaList.__call__(self, input_ids, scores)
-        plain = self._plain
-        if plain is None or self.recorder.fault is not None:  # (a copy of this list may have faulted)
-            self.recorder(input_ids, is_done)
-            return is_done
+        else:
+            if kwargs:
+                is_done = StoppingCriteriaList.__call__(self, input_ids, scores, **kwargs)
+            else:  # (how transformers calls it: no keyword to pass on)
+                is_done = StoppingCriteriaList.__call__(self, input_ids, scores)
+            plain = self._plain
+            if plain is None or self.recorder.fault is not None:  # (a copy of this list may have faulted)
+                self.recorder(input_ids, is_done)
+                return is_done
         append_time, append_length, clock = plain
         try:
             append_time(clock())
