@@ -33,6 +33,7 @@ from otel_generate import attributes as A
 from otel_generate import telemetry as _telemetry
 from otel_generate._faults import Fault, error_type, log_fault_once
 from otel_generate.derive import Summary, derive
+from otel_generate.fast_metrics import attributes_key
 from otel_generate.fast_spans import fast_eligible, set_request_attributes
 from otel_generate.record import GenerationRecord
 from otel_generate.request import Request
@@ -382,17 +383,17 @@ def _record_metrics(
     """
     fast = fast or {}
 
-    def record_value(name: str, value: Any, attributes: Dict[str, Any]) -> None:
+    def record_value(name: str, value: Any, attributes: Dict[str, Any], key: Any) -> None:
         helper = fast.get(name)
         if helper is not None:
-            helper.record_one(value, attributes)
+            helper.record_one(value, attributes, key)
         else:
             instruments[name].record(value, attributes)
 
-    def record_values(name: str, values: Any, attributes: Dict[str, Any]) -> None:
+    def record_values(name: str, values: Any, attributes: Dict[str, Any], key: Any) -> None:
         helper = fast.get(name)
         if helper is not None:
-            helper.record_many(values, attributes)
+            helper.record_many(values, attributes, key)
         else:
             record = instruments[name].record
             for value in values:
@@ -407,28 +408,35 @@ def _record_metrics(
     if error:
         base[A.ERROR_TYPE] = summary.error_type
     duration_s = summary.duration_s
+    key = attributes_key(base) if fast else None  # (the fast path's cache key, found once for five histograms)
     exemplar_span = span if span.get_span_context().trace_flags.sampled else trace.INVALID_SPAN
-    token = otel_context.attach(trace.set_span_in_context(exemplar_span))
+    # (already the current span, as for an unsampled request with no parent: nothing to attach)
+    token = (
+        None
+        if trace.get_current_span() is exemplar_span
+        else otel_context.attach(trace.set_span_in_context(exemplar_span))
+    )
     try:
-        record_value(A.METRIC_REQUEST_DURATION, duration_s, base)
-        record_value(A.METRIC_CLIENT_OPERATION_DURATION, duration_s, base)
+        record_value(A.METRIC_REQUEST_DURATION, duration_s, base, key)
+        record_value(A.METRIC_CLIENT_OPERATION_DURATION, duration_s, base, key)
         # defined for successful responses only (GenAI metrics page); the inter-token latency alike
         if not error:
             if summary.time_to_first_token_s is not None:
-                record_value(A.METRIC_TIME_TO_FIRST_TOKEN, summary.time_to_first_token_s, base)
+                record_value(A.METRIC_TIME_TO_FIRST_TOKEN, summary.time_to_first_token_s, base, key)
             if summary.time_per_output_token_s is not None:
-                record_value(A.METRIC_TIME_PER_OUTPUT_TOKEN, summary.time_per_output_token_s, base)
+                record_value(A.METRIC_TIME_PER_OUTPUT_TOKEN, summary.time_per_output_token_s, base, key)
                 if A.METRIC_INTER_TOKEN_LATENCY in instruments:
-                    record_values(A.METRIC_INTER_TOKEN_LATENCY, summary.inter_token_latencies_s, base)
+                    record_values(A.METRIC_INTER_TOKEN_LATENCY, summary.inter_token_latencies_s, base, key)
         if A.METRIC_TOKEN_USAGE in instruments:
             if request.input_tokens is not None:
                 inputs = {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_INPUT}
-                record_value(A.METRIC_TOKEN_USAGE, request.input_tokens, inputs)
+                record_value(A.METRIC_TOKEN_USAGE, request.input_tokens, inputs, None)
             if request.output_tokens is not None:
                 outputs = {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_OUTPUT}
-                record_value(A.METRIC_TOKEN_USAGE, request.output_tokens, outputs)
+                record_value(A.METRIC_TOKEN_USAGE, request.output_tokens, outputs, None)
     finally:
-        otel_context.detach(token)
+        if token is not None:
+            otel_context.detach(token)
 
 
 _telemetry.bind_finish(finish)  # Telemetry.emit runs finish without importing this module

@@ -321,6 +321,27 @@ def _last_in_each_bucket(order: Sequence[int], ordered: Sequence[float], boundar
     return last
 
 
+#: :func:`attributes_key` of attributes that are resolved every time (not cached)
+_UNCACHED = object()
+
+
+def attributes_key(attributes: Any) -> Any:
+    """The key :meth:`FastHistogram._resolve` caches ``attributes``' resolution under, or
+    :data:`_UNCACHED` for attributes resolved every time (see there). A caller recording several
+    values with one attribute dict (one request's histograms) computes it once and passes it on."""
+    if attributes:
+        if _STRINGS.issuperset(map(type, attributes.values())):
+            return tuple(attributes.items())  # (str values: equal values are the same series)
+        values = tuple(attributes.values())
+        types = tuple(map(type, values))
+        # (float values are not cached: 0.0 and -0.0 are equal keys, yet an exemplar keeps the
+        # measurement's own attributes)
+        if _SCALARS.issuperset(types) and float not in types:
+            return (tuple(attributes), types, values)
+        return _UNCACHED
+    return (attributes is None,)  # None or empty: kept apart (a measurement carries them as given)
+
+
 class FastHistogram:
     """Records many values with the same attributes into one SDK histogram (see the module docstring)."""
 
@@ -422,7 +443,7 @@ class FastHistogram:
         random = len(targets) > 1 and any(boundaries is None for _, boundaries in targets)
         return _Resolved(cleaned, targets, aggregations, reuse, reuse and bulk, random, reservoirs)
 
-    def _resolve(self, attributes: Any) -> "_Resolved":
+    def _resolve(self, attributes: Any, key: Any = None) -> "_Resolved":
         """:meth:`_targets` of ``attributes``, from the cache when they were resolved before.
 
         A remembered resolution is used while the consumer's reader storages are the same dict
@@ -431,22 +452,15 @@ class FastHistogram:
         removes one; a forked child's reset, :func:`otel_generate._lifecycle.forget_inherited_metrics`,
         does, and counts it). Attribute sets whose values are not all ``str``, ``bool``, ``int`` or
         ``float`` are resolved every time: the cache key holds each value's type, as the SDK's
-        key does (``True``, ``1`` and ``1.0`` are different series there, equal in a tuple)."""
+        key does (``True``, ``1`` and ``1.0`` are different series there, equal in a tuple).
+        ``key``: :func:`attributes_key` of ``attributes`` when the caller has it already (``None``:
+        computed here)."""
         storages = self._histogram._measurement_consumer._reader_storages
         forgotten = _lifecycle.metrics_forgotten
-        key: Any = None
-        if attributes:
-            if _STRINGS.issuperset(map(type, attributes.values())):
-                key = tuple(attributes.items())  # (str values: equal values are the same series)
-            else:
-                values = tuple(attributes.values())
-                types = tuple(map(type, values))
-                # (float values are not cached: 0.0 and -0.0 are equal keys, yet an exemplar keeps
-                # the measurement's own attributes)
-                if _SCALARS.issuperset(types) and float not in types:
-                    key = (tuple(attributes), types, values)
-        else:  # None or empty: kept apart (a measurement carries them as given)
-            key = (attributes is None,)
+        if key is None:
+            key = attributes_key(attributes)
+        if key is _UNCACHED:
+            key = None
         cached = self._cache.get(key) if key is not None else None
         if cached is not None and cached[0] is storages and cached[1] == forgotten:
             return cached[2]
@@ -517,9 +531,11 @@ class FastHistogram:
                     else:
                         counts[len(bounds)] += count - below
                 aggregation._sum = total
-                if aggregation._record_min_max:
-                    aggregation._min = min(aggregation._min, low)
-                    aggregation._max = max(aggregation._max, high)
+                if aggregation._record_min_max:  # (what min() and max() of the two keep)
+                    if low < aggregation._min:
+                        aggregation._min = low
+                    if high > aggregation._max:
+                        aggregation._max = high
             if not sample:
                 continue
             if boundaries is None:  # a reservoir that may keep any value: every value offered, in order
@@ -542,12 +558,13 @@ class FastHistogram:
                 aggregation._sample_exemplar(m, True)
         return True
 
-    def record_one(self, value: float, attributes: Any) -> None:
+    def record_one(self, value: float, attributes: Any, key: Any = None) -> None:
         """``histogram.record(value, attributes)`` in the current context: one value (a request's
         duration, time to first token, token count). Where the bulk path of :meth:`record_many`
         may be taken and the value is a finite ``int`` or ``float`` >= 0, the SDK's
         ``aggregate()`` is repeated for it (its sum, min and max, its bucket; the exemplar offered
-        when the filter says so), without the list; otherwise :meth:`record_many`."""
+        when the filter says so), without the list; otherwise :meth:`record_many`. ``key``:
+        :func:`attributes_key` of ``attributes``, when the caller has it (``None``: computed)."""
         histogram = self._histogram
         resolved = None
         # (NaN is not in range; an int beyond the largest float goes to record_many, which raises
@@ -557,7 +574,7 @@ class FastHistogram:
                 if histogram._is_enabled():
                     exemplar_filter = histogram._measurement_consumer._sdk_config.exemplar_filter
                     if type(exemplar_filter) in self._context_filters:
-                        resolved = self._resolve(attributes)
+                        resolved = self._resolve(attributes, key)
                         context = self._get_current()
             except _NotEligible:
                 resolved = None
@@ -566,14 +583,18 @@ class FastHistogram:
                 log_fault_once(Fault.FAST_HISTOGRAM, fault)
                 resolved = None
         if resolved is None or not resolved.bulk:
-            self.record_many((value,), attributes)
+            self.record_many((value,), attributes, key)
             return
-        now = time.time_ns()
         cleaned = resolved.cleaned
-        sample, ids = _exemplar_decision(exemplar_filter, context, value, now, cleaned)  # from the context alone
+        last = _last_decision  # (_exemplar_decision's answer for this context, without its call)
+        if last[0] is context and last[1] is exemplar_filter:
+            sample, ids = last[2], last[3]
+        else:  # from the context alone
+            sample, ids = _exemplar_decision(exemplar_filter, context, value, time.time_ns(), cleaned)
         if sample and resolved.random:
-            self.record_many((value,), attributes)  # (the per-value path: see _aggregate_all)
+            self.record_many((value,), attributes, key)  # (the per-value path: see _aggregate_all)
             return
+        now = time.time_ns() if sample else 0  # (only an exemplar reads the time)
         m = None
         for aggregation, (_, boundaries), reservoir in zip(
             resolved.aggregations, resolved.targets, resolved.reservoirs
@@ -582,9 +603,11 @@ class FastHistogram:
                 if aggregation._value is None:
                     aggregation._value = aggregation._get_empty_bucket_counts()
                 aggregation._sum += value
-                if aggregation._record_min_max:
-                    aggregation._min = min(aggregation._min, value)
-                    aggregation._max = max(aggregation._max, value)
+                if aggregation._record_min_max:  # (what min() and max() of the two keep)
+                    if value < aggregation._min:
+                        aggregation._min = value
+                    if value > aggregation._max:
+                        aggregation._max = value
                 aggregation._value[bisect.bisect_left(aggregation._boundaries, value)] += 1
             if not sample:
                 continue
@@ -596,8 +619,9 @@ class FastHistogram:
                 object.__setattr__(m, "attributes", cleaned)
             aggregation._sample_exemplar(m, True)
 
-    def record_many(self, values: Iterable[float], attributes: Any) -> None:
-        """``histogram.record(value, attributes)`` for every value, in order, in the current context."""
+    def record_many(self, values: Iterable[float], attributes: Any, key: Any = None) -> None:
+        """``histogram.record(value, attributes)`` for every value, in order, in the current context.
+        ``key``: :func:`attributes_key` of ``attributes``, when the caller has it (``None``: computed)."""
         record = self._histogram.record
         rest = values if type(values) is list else list(values)
         if not rest:
@@ -605,7 +629,7 @@ class FastHistogram:
         resolved = None
         if not self.broken and self._histogram._is_enabled():
             try:
-                resolved = self._resolve(attributes)
+                resolved = self._resolve(attributes, key)
                 context = self._get_current()
                 exemplar_filter = self._histogram._measurement_consumer._sdk_config.exemplar_filter
                 once = type(exemplar_filter) in self._context_filters

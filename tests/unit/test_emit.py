@@ -155,6 +155,47 @@ def test_an_unsampled_request_records_only_its_metrics():
     assert count == 2 and total == pytest.approx(70 / NS, rel=1e-12)
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "public-api"])
+@pytest.mark.parametrize("current", ["none", "sampled-span"])
+def test_an_unsampled_requests_metrics_carry_no_exemplar_whatever_span_is_current(fast, current):
+    # nothing is attached when the current span is already the one exemplars may point at (none);
+    # a sampled span that is current is set aside for the request's measurements
+    from opentelemetry import context as otel_context
+    from opentelemetry import trace
+
+    sdk = SDK(sampler=ALWAYS_OFF)
+    if not fast:
+        sdk.telemetry.fast_histograms = {name: None for name in sdk.telemetry.fast_histograms}
+    outer = TracerProvider().get_tracer("t").start_span("outer") if current == "sampled-span" else None
+    before = otel_context.get_current()
+    token = otel_context.attach(trace.set_span_in_context(outer)) if outer is not None else None
+    try:
+        for _ in range(2):  # the second request's histograms exist: the fast path is taken
+            sdk.run(make([100, 130, 170], [1, 1, 1]))
+        assert trace.get_current_span() is (outer if outer is not None else trace.INVALID_SPAN)
+    finally:
+        if token is not None:
+            otel_context.detach(token)
+    assert otel_context.get_current() == before
+    data = sdk.reader.get_metrics_data()
+    points = [p for r in data.resource_metrics for s in r.scope_metrics for m in s.metrics for p in m.data.data_points]
+    # two requests: one value each in six series (token usage: input, output), two inter-token latencies each
+    assert sorted(p.count for p in points) == [2] * 6 + [4]
+    assert [e for p in points for e in p.exemplars] == []
+
+
+def test_a_sampled_requests_metrics_point_their_exemplars_at_its_span():
+    sdk = SDK()
+    sdk.run(make([100, 130, 170], [1, 1, 1]))
+    sdk.run(make([100, 130, 170], [1, 1, 1]))
+    spans = [s.context.span_id for s in sdk.finished() if s.name == f"text_completion {MODEL}"]
+    data = sdk.reader.get_metrics_data()
+    points = [p for r in data.resource_metrics for s in r.scope_metrics for m in s.metrics for p in m.data.data_points]
+    exemplars = [e for p in points for e in p.exemplars]
+    assert len(points) == 7 and exemplars and {e.span_id for e in exemplars} <= set(spans)
+    assert spans[1] in {e.span_id for e in exemplars}  # the second request's (fast path) too
+
+
 def test_a_failed_request_has_its_error_on_the_span_and_the_metrics():
     sdk = SDK()
     request = make([100, 130], [1, 1], error=ValueError("bad length"))

@@ -13,7 +13,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.trace import TracerProvider
 
-from otel_generate.fast_metrics import FastHistogram
+from otel_generate.fast_metrics import _UNCACHED, FastHistogram, attributes_key
 
 BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1]
 VALUES = [0.0004, 0.002, 0.002, 0.007, 0.03, 0.2, 0.0, 0.049, 0.011] * 5
@@ -51,10 +51,12 @@ def _points(reader):
     return sorted(out, key=repr)
 
 
-def _both(values, attributes=ATTRS, views=(), readers=1, in_span=True, prime=True, one_by_one=False):
+def _both(values, attributes=ATTRS, views=(), readers=1, in_span=True, prime=True, one_by_one=False, keyed=False):
     """The same values through ``record()`` per value and through ``record_many``. ``prime``: one
     earlier value recorded in both the public way, as an earlier request does, so that the
-    aggregations exist and ``record_many`` takes its fast path (else it goes the public way)."""
+    aggregations exist and ``record_many`` takes its fast path (else it goes the public way).
+    ``keyed``: the attributes' cache key computed once by the caller and passed on (as
+    ``emit._record_metrics`` does for a request's histograms)."""
     tracer = TracerProvider().get_tracer("t")
     public, public_readers = _histogram(views, readers)
     fast_histogram, fast_readers = _histogram(views, readers)
@@ -71,11 +73,12 @@ def _both(values, attributes=ATTRS, views=(), readers=1, in_span=True, prime=Tru
     try:
         for value in values:
             public.record(value, attributes)
+        key = attributes_key(attributes) if keyed else None
         if one_by_one:
             for value in values:
-                fast.record_one(value, attributes)
+                fast.record_one(value, attributes, key)
         else:
-            fast.record_many(iter(values), attributes)
+            fast.record_many(iter(values), attributes, key)
     finally:
         if token is not None:
             ctx.detach(token)
@@ -375,6 +378,42 @@ def test_each_buckets_last_position_is_that_of_a_scan_of_every_value(values, bou
 def test_record_one_gives_what_record_gives_value_by_value(values, in_span, readers):
     public, fast, helper = _both(values, in_span=in_span, readers=readers, one_by_one=True)
     assert public == fast and not helper.broken
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(st.floats(min_value=0, max_value=0.2, allow_nan=False), min_size=1, max_size=12),
+    attributes=st.sampled_from([ATTRS, {"a": "x", "b": "y"}, {"a": "x", "f": 0.5}, {"a": True, "b": 1}, {}, None]),
+    one_by_one=st.booleans(),
+    in_span=st.booleans(),
+)
+def test_a_key_computed_by_the_caller_gives_what_record_gives(values, attributes, one_by_one, in_span):
+    public, fast, helper = _both(values, attributes, in_span=in_span, one_by_one=one_by_one, keyed=True)
+    assert public == fast and not helper.broken
+
+
+def test_the_cache_key_of_attributes():
+    assert attributes_key({"a": "x", "b": "y"}) == (("a", "x"), ("b", "y"))
+    assert attributes_key({"a": True, "b": 1}) == (("a", "b"), (bool, int), (True, 1))
+    assert attributes_key({"a": "x", "f": 0.5}) is _UNCACHED  # floats: resolved every time
+    assert attributes_key({"a": ["x"]}) is _UNCACHED
+    assert attributes_key(None) == (True,) and attributes_key({}) == (False,)
+
+
+def test_attributes_that_are_not_cached_are_resolved_every_time_with_a_key_given(monkeypatch):
+    histogram, (reader,) = _histogram()
+    fast = FastHistogram.for_instrument(histogram)
+    attributes = {"a": "x", "f": 0.5}
+    histogram.record(0.5, attributes)
+    resolved = []
+    original = FastHistogram._targets
+    monkeypatch.setattr(FastHistogram, "_targets", lambda self, cleaned: resolved.append(1) or original(self, cleaned))
+    key = attributes_key(attributes)
+    for _ in range(3):
+        fast.record_one(0.01, attributes, key)
+    assert len(resolved) == 3 and fast._cache == {}
+    (point,) = _points(reader)
+    assert point[2] == 4
 
 
 def test_an_exemplar_keeps_its_own_attributes_when_they_equal_another_sets():
