@@ -275,12 +275,12 @@ def _emit_steps(telemetry: Telemetry, span: Any, request: Request, summary: Summ
         A.GENERATE_STEP_LATENCY,
     )
     PREFILL, DECODE = A.STEP_SPAN_PREFILL, A.STEP_SPAN_DECODE
-    fast = telemetry.fast
-    fast_emit = fast.emit if fast is not None and fast.usable() else None
+    names = [PREFILL if index in prefill else DECODE for index in range(emitted)]
+    span_starts = [start + wall_offset for start in starts[:emitted]]
+    span_ends = [end + wall_offset for end in ends[:emitted]]
+    step_attributes = []
     token_index = 0
     for index in range(emitted):
-        start, end = starts[index], ends[index]
-        name = PREFILL if index in prefill else DECODE
         attributes = {INDEX: index, TOKEN: token_index, TOKENS: tokens[index], LATENCY: latencies_s[index]}
         if extra:
             if step_requests is not None:
@@ -292,22 +292,31 @@ def _emit_steps(telemetry: Telemetry, span: Any, request: Request, summary: Summ
             if index < len(logprobs) and logprobs[index]:
                 attributes[A.GENERATE_STEP_LOGPROBS] = logprobs[index]
         token_index += tokens[index]
-        try:
-            fast_done = (
-                fast_emit is not None
-                and (not check or fast_eligible(attributes))
-                and fast_emit(
-                    parents[index], parent_spans[index], name, start + wall_offset, end + wall_offset, attributes
-                )
+        step_attributes.append(attributes)
+    fast = telemetry.fast
+    fast_emit = fast.emit_many if fast is not None and fast.usable() else None
+    eligible = list(map(fast_eligible, step_attributes)) if check and fast_emit is not None else None
+    index = 0
+    while index < emitted:
+        if fast_emit is not None:  # the fast path, in order, up to the first step it cannot take
+            index = fast_emit(
+                parents, parent_spans, names, span_starts, span_ends, step_attributes, index, eligible, yield_every
             )
-            if not fast_done:
-                start_span(
-                    name, context=parents[index], kind=internal, start_time=start + wall_offset, attributes=attributes
-                ).end(end_time=end + wall_offset)
+            if index >= emitted:
+                break
+        try:
+            start_span(
+                names[index],
+                context=parents[index],
+                kind=internal,
+                start_time=span_starts[index],
+                attributes=step_attributes[index],
+            ).end(end_time=span_ends[index])
         except Exception as fault:  # a span processor raised: the other steps and the metrics still go
             log_fault_once(Fault.STEP_SPAN_EXPORT, fault)
         if yield_every and index % yield_every == yield_every - 1:
             time.sleep(0)  # a background emitter lets the producer run
+        index += 1
 
 
 def _add_response_attributes(attrs: Dict[str, Any], request: Request, summary: Optional[Summary]) -> None:

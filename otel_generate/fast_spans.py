@@ -8,7 +8,9 @@ container, the processors' start and end hooks. A step span is known in full whe
 ``on_end`` with it, in about a third of the time. The ``ReadableSpan`` is a copy of one built by
 its own constructor at set-up, with the span's own fields set; its ``SpanContext`` is the tuple
 that ``SpanContext.__new__`` builds; the processors' ``on_end`` are called as the SDK's
-multi-processor calls them.
+multi-processor calls them (for a ``BatchSpanProcessor`` whose ``on_end`` is exactly the code
+this module knows, what that ``on_end`` calls for a sampled span: its batch processor's
+``emit``). :meth:`FastStepSpans.emit_many` builds a request's step spans in one call.
 
 That uses SDK internals, so it is taken only when the result is the same as the public path's
 (:meth:`FastStepSpans.for_tracer`, checked once per ``instrument()``):
@@ -34,10 +36,12 @@ to the caller as the public path's would.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+import inspect
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from otel_generate._faults import Fault, log_fault_once
-from otel_generate._sdk_code import code_digest
+from otel_generate._sdk_code import code_digest, same_code
 
 #: Step spans with at most this many attributes, all numbers or bools, may take the fast path.
 MAX_FAST_ATTRIBUTES = 8
@@ -81,7 +85,6 @@ class FastStepSpans:
         self._scope = getattr(tracer, "_instrumentation_scope", None)
         self._per_parent = _decides_per_parent(self._sampler)
         self._decided: Dict[int, Any] = {}  # id(parent SpanContext) -> decision (per-parent samplers)
-        self._on_ends = tuple(p.on_end for p in self._checked)  # what the multi-processor's on_end calls
         # ReadableSpan.__init__'s result for this tracer, built once by the constructor itself: each
         # step span is a copy of its __dict__ with the span's own fields set (the same keys and values
         # the constructor would set, without its call)
@@ -115,7 +118,6 @@ class FastStepSpans:
             if not _eligible_processors(self._processor):
                 return False
             self._checked = current
-            self._on_ends = tuple(p.on_end for p in current)
         return True
 
     @classmethod
@@ -167,64 +169,102 @@ class FastStepSpans:
         self._decided[id(parent)] = decided
         return decided
 
-    def emit(
-        self, parent_context: Any, parent: Any, name: str, start: int, end: int, attributes: Dict[str, Any]
-    ) -> bool:
-        """One ended step span, child of ``parent`` (a ``SpanContext``) in ``parent_context``
-        (a ``Context`` holding the parent span); False when the caller must use the public path.
+    def emit_many(
+        self,
+        contexts: Sequence[Any],
+        parents: Sequence[Any],
+        names: Sequence[str],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        attributes: Sequence[Dict[str, Any]],
+        begin: int = 0,
+        eligible: Optional[Sequence[bool]] = None,
+        yield_every: int = 0,
+    ) -> int:
+        """Ended step spans ``begin``, ``begin + 1``, ... in order, until one must take the public
+        path; returns that one's index (``len(names)`` when none must).
 
-        Raises:
-            Whatever a span processor's ``on_end`` raises (as ``Span.end()`` would).
+        Step ``i`` is named ``names[i]``, a child of ``parents[i]`` (a ``SpanContext``) in
+        ``contexts[i]`` (a ``Context`` holding the parent span), from ``starts[i]`` to ``ends[i]``
+        (nanoseconds since the epoch), with ``attributes[i]``; ``eligible[i]`` false (opt-in
+        attributes that are not numbers) sends it to the public path. A fault in building a span
+        turns this path off for good (logged once) and returns that span's index. An exception a
+        processor's ``on_end`` raises is logged once (``Fault.STEP_SPAN_EXPORT``, as the caller
+        logs the public path's) and the next span goes on. On a background thread
+        (``yield_every``), the interpreter lock is yielded after every that many spans, counted
+        by index as the caller counts them.
         """
+        count = len(names)
         if self.broken:
-            return False
-        try:
-            if self._per_parent:
-                # the decision, and all that follows from it, once per parent: (parent, sampling,
-                # recording, flags, trace id, trace state), found by the parent object itself
-                decided = self._decided.get(id(parent))
-                if decided is None or decided[0] is not parent:
-                    decided = self._decide(parent_context, parent, name, attributes)
-                _, sampling, recording, flags, trace_id, trace_state = decided
-                span_attributes = attributes  # these samplers hand the attributes through unchanged
-            else:
-                trace_id = parent.trace_id
-                sampling = self._sampler.should_sample(parent_context, trace_id, name, self._kind, attributes, ())
-                span_attributes = sampling.attributes
-                recording, flags = self._flags(parent, sampling)
-                trace_state = sampling.trace_state
-            if not recording:
-                return True  # a non-recording span: nothing reaches the processors
-            span_id = self._new_span_id()
-            # SpanContext(trace_id, span_id, False, flags, trace_state) without its __new__'s call: the
-            # same tuple (the trace id is the parent's, the span id the generator's: both valid)
-            context = self._new_tuple(
-                self._span_context,
-                (
-                    trace_id,
-                    span_id,
-                    False,
-                    flags,
-                    trace_state if trace_state is not None else _DEFAULT_TRACE_STATE,
-                    0 < trace_id <= _TRACE_ID_MAX and 0 < span_id <= _SPAN_ID_MAX,
-                ),
-            )
-            span = self._new_readable(self._readable)
-            fields = self._template.copy()
-            fields["_name"] = name
-            fields["_context"] = context
-            fields["_parent"] = parent
-            fields["_attributes"] = span_attributes
-            fields["_start_time"] = start
-            fields["_end_time"] = end
-            span.__dict__ = fields
-        except Exception as fault:
-            self.broken = True
-            log_fault_once(Fault.FAST_STEP_SPANS, fault)
-            return False
-        for on_end in self._on_ends:  # SynchronousMultiSpanProcessor.on_end, without its call
-            on_end(span)  # a processor's exception is the caller's to handle, as for Span.end()
-        return True
+            return begin
+        # what ending a sampled span, and a recording one that is not, calls (read once a call)
+        ends_sampled, ends_unsampled = _end_calls(self._checked)
+        on_ends: Sequence[Any] = ()
+        new_span_id, new_tuple, span_context = self._new_span_id, self._new_tuple, self._span_context
+        new_readable, readable, template = self._new_readable, self._readable, self._template
+        per_parent = self._per_parent
+        last_parent: Any = None
+        recording = valid_trace = False
+        flags = trace_id = trace_state = span_attributes = None
+        for index in range(begin, count):
+            if eligible is not None and not eligible[index]:
+                return index
+            parent = parents[index]
+            try:
+                if per_parent:
+                    span_attributes = attributes[index]  # these samplers hand the attributes through unchanged
+                    if parent is not last_parent:
+                        # the decision, and all that follows from it, once per parent: (parent,
+                        # sampling, recording, flags, trace id, trace state), found by the parent itself
+                        decided = self._decided.get(id(parent))
+                        if decided is None or decided[0] is not parent:
+                            decided = self._decide(contexts[index], parent, names[index], span_attributes)
+                        _, _, recording, flags, trace_id, trace_state = decided
+                        if trace_state is None:
+                            trace_state = _DEFAULT_TRACE_STATE
+                        valid_trace = 0 < trace_id <= _TRACE_ID_MAX
+                        on_ends = ends_sampled if flags.sampled else ends_unsampled
+                        last_parent = parent
+                else:
+                    trace_id = parent.trace_id
+                    sampling = self._sampler.should_sample(
+                        contexts[index], trace_id, names[index], self._kind, attributes[index], ()
+                    )
+                    span_attributes = sampling.attributes
+                    recording, flags = self._flags(parent, sampling)
+                    trace_state = sampling.trace_state if sampling.trace_state is not None else _DEFAULT_TRACE_STATE
+                    valid_trace = 0 < trace_id <= _TRACE_ID_MAX
+                    on_ends = ends_sampled if flags.sampled else ends_unsampled
+                if recording:  # (a non-recording span: nothing reaches the processors)
+                    span_id = new_span_id()
+                    # SpanContext(trace_id, span_id, False, flags, trace_state) without its __new__'s
+                    # call: the same tuple (the trace id is the parent's, the span id the generator's)
+                    context = new_tuple(
+                        span_context,
+                        (trace_id, span_id, False, flags, trace_state, valid_trace and 0 < span_id <= _SPAN_ID_MAX),
+                    )
+                    span = new_readable(readable)
+                    fields = template.copy()
+                    fields["_name"] = names[index]
+                    fields["_context"] = context
+                    fields["_parent"] = parent
+                    fields["_attributes"] = span_attributes
+                    fields["_start_time"] = starts[index]
+                    fields["_end_time"] = ends[index]
+                    span.__dict__ = fields
+            except Exception as fault:
+                self.broken = True
+                log_fault_once(Fault.FAST_STEP_SPANS, fault)
+                return index
+            if recording:
+                try:
+                    for on_end in on_ends:  # SynchronousMultiSpanProcessor.on_end, without its call
+                        on_end(span)  # (a BatchSpanProcessor's: what its on_end calls, _end_calls)
+                except Exception as fault:  # a span processor raised: the other steps still go
+                    log_fault_once(Fault.STEP_SPAN_EXPORT, fault)
+            if yield_every and index % yield_every == yield_every - 1:
+                time.sleep(0)  # a background emitter lets the producer run
+        return count
 
 
 def _eligible_processors(processor: Any) -> bool:
@@ -236,6 +276,57 @@ def _eligible_processors(processor: Any) -> bool:
     if type(processor) is not SynchronousMultiSpanProcessor:
         return False
     return all(type(p) in (BatchSpanProcessor, SimpleSpanProcessor) for p in processor._span_processors)
+
+
+#: ``BatchSpanProcessor.on_end`` (as in opentelemetry-sdk 1.45): for a sampled span it calls its
+#: batch processor's ``emit``, for any other nothing; compared with the installed code before
+#: :func:`_end_calls` relies on it.
+_BATCH_ON_END = """
+def on_end(self, span: ReadableSpan) -> None:
+    if not (span.context and span.context.trace_flags.sampled):
+        return
+    self._batch_processor.emit(span)
+"""
+#: ``BatchSpanProcessor.on_end`` function objects checked, and whether each is the known code
+_checked_on_ends: Dict[Any, bool] = {}
+
+
+def _batch_on_end_known(processor_type: type) -> bool:
+    """Whether ``processor_type.on_end`` is a plain function (not a wrapper, whose source would
+    read as the function's) that runs exactly :data:`_BATCH_ON_END`; read once per function
+    object, so a patch of it is checked when it is made."""
+    function = getattr(processor_type, "on_end", None)
+    known = _checked_on_ends.get(function)
+    if known is None:
+        try:
+            known = (
+                inspect.isfunction(function)
+                and not hasattr(function, "__wrapped__")
+                and same_code(function, _BATCH_ON_END)
+            )
+        except Exception:  # no source, another layout: never relied on
+            known = False
+        if len(_checked_on_ends) < 16:
+            _checked_on_ends[function] = known
+    return known
+
+
+def _end_calls(processors: Sequence[Any]) -> Tuple[Tuple[Any, ...], Tuple[Any, ...]]:
+    """``(for a sampled span, for a recording span that is not sampled)``: what the
+    multi-processor's ``on_end`` calls, one call per processor, in order. A ``BatchSpanProcessor``
+    whose ``on_end`` is :data:`_BATCH_ON_END` (a step span's context is a non-empty tuple) gives
+    its batch processor's ``emit`` for a sampled span and nothing for another; every other
+    processor its ``on_end`` for both."""
+    sampled: List[Any] = []
+    unsampled: List[Any] = []
+    for processor in processors:
+        batch = getattr(processor, "_batch_processor", None)
+        if batch is not None and _batch_on_end_known(type(processor)):
+            sampled.append(batch.emit)
+        else:
+            sampled.append(processor.on_end)
+            unsampled.append(processor.on_end)
+    return tuple(sampled), tuple(unsampled)
 
 
 def _decides_per_parent(sampler: Any) -> bool:

@@ -104,3 +104,132 @@ def test_request_attributes_not_taken_for_another_span_or_attribute_class():
 
     assert not _sets_attributes_as_expected(Mine, type(_two_spans()[0]._attributes))
     assert not set_request_attributes(object(), REQUEST_ATTRIBUTES)
+
+
+# --- a request's step spans in one call (FastStepSpans.emit_many) --------------------------------
+
+
+def _steps_through(processor, count=3, **kwargs):
+    """``count`` step spans under one request span, built by ``emit_many``; returns what it
+    returned, the request span and the tracer's fast path."""
+    from opentelemetry import trace
+
+    tracer = provider_with(processor).get_tracer("t")
+    fast = FastStepSpans.for_tracer(tracer)
+    assert fast is not None and fast.usable()
+    request = tracer.start_span("request")
+    context, parent = trace.set_span_in_context(request), request.get_span_context()
+    names = ["prefill"] + ["decode"] * (count - 1)
+    attributes = [{"generate.step.index": i, "generate.step.latency": 0.001 * (i + 1)} for i in range(count)]
+    done = fast.emit_many(
+        [context] * count,
+        [parent] * count,
+        names,
+        [10 * i for i in range(count)],
+        [10 * i + 9 for i in range(count)],
+        attributes,
+        **kwargs,
+    )
+    return done, request, fast
+
+
+def _exported(spans):
+    return [
+        (s.name, s.parent.span_id, dict(s.attributes), s.start_time, s.end_time, int(s.context.trace_flags))
+        for s in spans
+    ]
+
+
+def test_emit_many_through_a_batch_processor_exports_what_the_public_path_exports():
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    fast_exporter, public_exporter = InMemorySpanExporter(), InMemorySpanExporter()
+    fast_processor = BatchSpanProcessor(fast_exporter)
+    done, request, fast = _steps_through(fast_processor)
+    assert done == 3 and not fast.broken
+    fast_processor.force_flush()
+    public_processor = BatchSpanProcessor(public_exporter)
+    tracer = provider_with(public_processor).get_tracer("t")
+    context = trace.set_span_in_context(request)
+    for i, name in enumerate(["prefill", "decode", "decode"]):
+        attributes = {"generate.step.index": i, "generate.step.latency": 0.001 * (i + 1)}
+        tracer.start_span(name, context=context, start_time=10 * i, attributes=attributes).end(end_time=10 * i + 9)
+    public_processor.force_flush()
+    fast_spans, public_spans = fast_exporter.get_finished_spans(), public_exporter.get_finished_spans()
+    assert len(fast_spans) == 3 and _exported(fast_spans) == _exported(public_spans)
+    assert all(sorted(vars(a)) == sorted(vars(b)) for a, b in zip(fast_spans, public_spans))
+
+
+def test_a_batch_processor_is_ended_through_its_batch_processor_only_for_sampled_spans():
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from otel_generate.fast_spans import _end_calls
+
+    batch, simple = BatchSpanProcessor(InMemorySpanExporter()), SimpleSpanProcessor(InMemorySpanExporter())
+    sampled, unsampled = _end_calls((batch, simple))
+    # (what BatchSpanProcessor.on_end calls for a sampled span; for another it returns at once)
+    assert sampled == (batch._batch_processor.emit, simple.on_end) and unsampled == (simple.on_end,)
+    batch.shutdown()
+
+
+def test_a_patched_batch_processor_on_end_is_called_not_gone_around(monkeypatch):
+    import functools
+
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    seen = []
+    original = BatchSpanProcessor.on_end
+
+    @functools.wraps(original)
+    def counting(self, span):  # another tool's wrapper: its source reads as the original's
+        seen.append(span.name)
+        return original(self, span)
+
+    monkeypatch.setattr(BatchSpanProcessor, "on_end", counting)
+    exporter = InMemorySpanExporter()
+    processor = BatchSpanProcessor(exporter)
+    done, _, _ = _steps_through(processor)
+    processor.force_flush()
+    assert done == 3 and seen == ["prefill", "decode", "decode"] and len(exporter.get_finished_spans()) == 3
+
+
+def test_a_processor_raising_for_one_step_span_is_logged_once_and_the_others_go_on(monkeypatch, caplog):
+    import logging
+
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from otel_generate import _faults
+
+    monkeypatch.setattr(_faults, "_logged_kinds", set())
+    exporter = InMemorySpanExporter()
+    processor = SimpleSpanProcessor(exporter)
+    on_end = processor.on_end
+
+    def raising(span):
+        if span.attributes["generate.step.index"] == 1:
+            raise RuntimeError("processor bug")
+        on_end(span)
+
+    processor.on_end = raising
+    with caplog.at_level(logging.WARNING, logger="otel_generate"):
+        done, _, fast = _steps_through(processor, count=4)
+    assert done == 4 and not fast.broken
+    assert [s.attributes["generate.step.index"] for s in exporter.get_finished_spans()] == [0, 2, 3]
+    assert sum("step span export failed" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_emit_many_stops_at_the_first_step_it_may_not_take():
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    done, _, _ = _steps_through(SimpleSpanProcessor(exporter), count=4, eligible=[True, True, False, True])
+    assert done == 2 and [s.attributes["generate.step.index"] for s in exporter.get_finished_spans()] == [0, 1]
+    exporter.clear()
+    done, _, _ = _steps_through(SimpleSpanProcessor(exporter), count=4, begin=3)
+    assert done == 4 and [s.attributes["generate.step.index"] for s in exporter.get_finished_spans()] == [3]
