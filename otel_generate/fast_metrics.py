@@ -26,8 +26,9 @@ with one of the SDK's reservoirs (which read a measurement's fields and keep non
 refuse (not finite, negative) goes through the public API, which logs and drops it. Where, in
 addition, the aggregation's ``aggregate`` is exactly the SDK's code this module knows (compared
 with its source), that code's effect for all values is applied under one lock (the same sum in
-the same order, the bucket counts, min and max; iterated in C: ``functools.reduce`` adds left to
-right as ``+=`` does), then the exemplars are offered (a ``Measurement`` is built only for them).
+the same order, the bucket counts, min and max; iterated in C: ``functools.reduce``, or
+``sum()`` before Python 3.12, adds left to right as ``+=`` does), then the exemplars are offered
+(a ``Measurement`` is built only for them).
 :meth:`FastHistogram.record_one` is that path for one value (a request's duration, its time to
 first token, a token count), without the list. The filter's answer and the span ids of the
 context are found once for all the histograms a request records in one context
@@ -321,6 +322,19 @@ def _last_in_each_bucket(order: Sequence[int], ordered: Sequence[float], boundar
     return last
 
 
+def _add_in_order(values: Sequence[float], start: Any) -> Any:
+    """``start + values[0] + values[1] + ...``, left to right, as ``+=`` per value adds: by
+    ``functools.reduce`` (a new float object per addition)."""
+    return reduce(add, values, start)
+
+
+if sys.version_info < (3, 12):
+    # CPython before 3.12: sum() adds floats left to right in one C double (and an int, or a float
+    # subclass, with the same + as the interpreter), allocating nothing per value. From 3.12,
+    # sum() compensates a float sum (Neumaier), which is not what += per value gives.
+    _add_in_order = sum  # type: ignore[assignment]  # noqa: F811
+
+
 #: :func:`attributes_key` of attributes that are resolved every time (not cached)
 _UNCACHED = object()
 
@@ -478,7 +492,7 @@ class FastHistogram:
         Returns False, having changed nothing, unless every value is finite and >= 0 (then the
         public path logs and drops the others). Iterated in C: the values sorted once give min,
         max and each bucket's count (the values <= a boundary, by ``bisect_right``, are those
-        ``bisect_left(boundaries, value)`` puts at or below its bucket); ``functools.reduce``
+        ``bisect_left(boundaries, value)`` puts at or below its bucket); :func:`_add_in_order`
         adds left to right, as ``+=`` per value does."""
         time_ns, setfield = time.time_ns, object.__setattr__
         cleaned = resolved.cleaned
@@ -510,7 +524,7 @@ class FastHistogram:
             resolved.aggregations, resolved.targets, resolved.reservoirs
         ):
             with aggregation._lock:
-                total = reduce(add, values, aggregation._sum)
+                total = _add_in_order(values, aggregation._sum)
                 if not checked:  # a NaN or an infinity makes the sum so: then nothing is changed
                     if not math.isfinite(total):
                         return False

@@ -456,3 +456,15 @@ def test_record_one_raises_as_record_for_an_int_beyond_the_largest_float():
         fast.record_one(10**400, ATTRS)
     (point,) = _points(reader)
     assert point[2] == 1 and point[3] == 5  # nothing of it recorded by either
+
+
+def test_the_sum_is_added_value_by_value_in_order_not_compensated():
+    # 0.1 ten times: added one at a time (as aggregate() does) the sum is not what a compensated
+    # sum (math.fsum, or sum() from Python 3.12) gives
+    values = [0.1] * 10
+    public, fast, helper = _both(values)
+    (point,) = fast[0]
+    naive = 0.5
+    for value in values:
+        naive += value
+    assert public == fast and not helper.broken and point[3] == naive != math.fsum([0.5, *values])
