@@ -391,23 +391,6 @@ def _record_metrics(
     take the fast path, which gives exactly what ``record()`` would.
     """
     fast = fast or {}
-
-    def record_value(name: str, value: Any, attributes: Dict[str, Any], key: Any) -> None:
-        helper = fast.get(name)
-        if helper is not None:
-            helper.record_one(value, attributes, key)
-        else:
-            instruments[name].record(value, attributes)
-
-    def record_values(name: str, values: Any, attributes: Dict[str, Any], key: Any) -> None:
-        helper = fast.get(name)
-        if helper is not None:
-            helper.record_many(values, attributes, key)
-        else:
-            record = instruments[name].record
-            for value in values:
-                record(value, attributes)
-
     base = {
         A.GEN_AI_OPERATION_NAME: A.OPERATION_TEXT_COMPLETION,
         A.GEN_AI_PROVIDER_NAME: A.PROVIDER_TRANSFORMERS,
@@ -416,8 +399,31 @@ def _record_metrics(
     error = summary.error_type is not None
     if error:
         base[A.ERROR_TYPE] = summary.error_type
-    duration_s = summary.duration_s
     key = attributes_key(base) if fast else None  # (the fast path's cache key, found once for five histograms)
+    duration_s = summary.duration_s
+    # (name, value, attributes, their cache key or None): one value each, recorded in this order
+    values = [
+        (A.METRIC_REQUEST_DURATION, duration_s, base, key),
+        (A.METRIC_CLIENT_OPERATION_DURATION, duration_s, base, key),
+    ]
+    # defined for successful responses only (GenAI metrics page); the inter-token latency alike
+    if not error:
+        if summary.time_to_first_token_s is not None:
+            values.append((A.METRIC_TIME_TO_FIRST_TOKEN, summary.time_to_first_token_s, base, key))
+        if summary.time_per_output_token_s is not None:
+            values.append((A.METRIC_TIME_PER_OUTPUT_TOKEN, summary.time_per_output_token_s, base, key))
+    if A.METRIC_TOKEN_USAGE in instruments:
+        if request.input_tokens is not None:
+            inputs = {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_INPUT}
+            values.append((A.METRIC_TOKEN_USAGE, request.input_tokens, inputs, None))
+        if request.output_tokens is not None:
+            outputs = {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_OUTPUT}
+            values.append((A.METRIC_TOKEN_USAGE, request.output_tokens, outputs, None))
+    latencies = (
+        summary.inter_token_latencies_s
+        if not error and summary.time_per_output_token_s is not None and A.METRIC_INTER_TOKEN_LATENCY in instruments
+        else None
+    )
     exemplar_span = span if span.get_span_context().trace_flags.sampled else trace.INVALID_SPAN
     # (already the current span, as for an unsampled request with no parent: nothing to attach)
     token = (
@@ -426,23 +432,21 @@ def _record_metrics(
         else otel_context.attach(trace.set_span_in_context(exemplar_span))
     )
     try:
-        record_value(A.METRIC_REQUEST_DURATION, duration_s, base, key)
-        record_value(A.METRIC_CLIENT_OPERATION_DURATION, duration_s, base, key)
-        # defined for successful responses only (GenAI metrics page); the inter-token latency alike
-        if not error:
-            if summary.time_to_first_token_s is not None:
-                record_value(A.METRIC_TIME_TO_FIRST_TOKEN, summary.time_to_first_token_s, base, key)
-            if summary.time_per_output_token_s is not None:
-                record_value(A.METRIC_TIME_PER_OUTPUT_TOKEN, summary.time_per_output_token_s, base, key)
-                if A.METRIC_INTER_TOKEN_LATENCY in instruments:
-                    record_values(A.METRIC_INTER_TOKEN_LATENCY, summary.inter_token_latencies_s, base, key)
-        if A.METRIC_TOKEN_USAGE in instruments:
-            if request.input_tokens is not None:
-                inputs = {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_INPUT}
-                record_value(A.METRIC_TOKEN_USAGE, request.input_tokens, inputs, None)
-            if request.output_tokens is not None:
-                outputs = {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_OUTPUT}
-                record_value(A.METRIC_TOKEN_USAGE, request.output_tokens, outputs, None)
+        context = otel_context.get_current()
+        for name, value, attributes, value_key in values:
+            helper = fast.get(name)
+            if helper is not None:
+                helper.record_one(value, attributes, value_key, context)
+            else:
+                instruments[name].record(value, attributes)
+        if latencies is not None:
+            helper = fast.get(A.METRIC_INTER_TOKEN_LATENCY)
+            if helper is not None:
+                helper.record_many(latencies, base, key)
+            else:
+                record = instruments[A.METRIC_INTER_TOKEN_LATENCY].record
+                for value in latencies:
+                    record(value, base)
     finally:
         if token is not None:
             otel_context.detach(token)

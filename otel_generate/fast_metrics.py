@@ -572,13 +572,14 @@ class FastHistogram:
                 aggregation._sample_exemplar(m, True)
         return True
 
-    def record_one(self, value: float, attributes: Any, key: Any = None) -> None:
+    def record_one(self, value: float, attributes: Any, key: Any = None, context: Any = None) -> None:
         """``histogram.record(value, attributes)`` in the current context: one value (a request's
         duration, time to first token, token count). Where the bulk path of :meth:`record_many`
         may be taken and the value is a finite ``int`` or ``float`` >= 0, the SDK's
         ``aggregate()`` is repeated for it (its sum, min and max, its bucket; the exemplar offered
         when the filter says so), without the list; otherwise :meth:`record_many`. ``key``:
-        :func:`attributes_key` of ``attributes``, when the caller has it (``None``: computed)."""
+        :func:`attributes_key` of ``attributes``, and ``context``: the current context, when the
+        caller has them (``None``: found here)."""
         histogram = self._histogram
         resolved = None
         # (NaN is not in range; an int beyond the largest float goes to record_many, which raises
@@ -586,10 +587,21 @@ class FastHistogram:
         if not self.broken and type(value) in _NUMBERS and 0 <= value <= _LARGEST:
             try:
                 if histogram._is_enabled():
-                    exemplar_filter = histogram._measurement_consumer._sdk_config.exemplar_filter
+                    consumer = histogram._measurement_consumer
+                    exemplar_filter = consumer._sdk_config.exemplar_filter
                     if type(exemplar_filter) in self._context_filters:
-                        resolved = self._resolve(attributes, key)
-                        context = self._get_current()
+                        # _resolve's remembered answer, without its call (an uncached key is never stored)
+                        cached = self._cache.get(key) if key is not None else None
+                        if (
+                            cached is not None
+                            and cached[0] is consumer._reader_storages
+                            and cached[1] == _lifecycle.metrics_forgotten
+                        ):
+                            resolved = cached[2]
+                        else:
+                            resolved = self._resolve(attributes, key)
+                        if context is None:
+                            context = self._get_current()
             except _NotEligible:
                 resolved = None
             except Exception as fault:

@@ -44,7 +44,7 @@ class InnerCall:
     attributes: Dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One request, as numbers.
 

@@ -249,6 +249,16 @@ class Loop(LoopFrame):
     a model that runs the GenerationMixin helpers itself. Filled by the helper hooks; accounted
     (:func:`.accounting.account_loop`) from its own result tensor when it ends."""
 
+    # (slots: more attributes than an instance dictionary shares its keys for, read on every request)
+    __slots__ = (
+        "assisted_generator", "cache", "call", "candidates_accepted", "candidates_proposed", "closed",
+        "criteria", "end_ns", "finish_reasons", "generation_config", "implicit", "incomplete",
+        "input_tokens", "inputs_tensor", "kv_cache_bytes", "kwargs", "model", "model_input_name",
+        "output_tokens", "paged", "parameters", "per_sequence", "prefill_steps", "prompt_length",
+        "queue_ns", "recorder", "result", "start_ns", "step_ends_ns", "step_logprobs", "step_requests",
+        "step_starts_ns", "step_tokens", "temperature", "uninstrumented", "unobserved", "window",
+    )  # fmt: skip
+
     def __init__(self, call: Call, model: Any, kwargs: dict, implicit: bool, start_ns: Optional[int] = None) -> None:
         self.call = call
         self.model = model

@@ -55,8 +55,8 @@ def _both(values, attributes=ATTRS, views=(), readers=1, in_span=True, prime=Tru
     """The same values through ``record()`` per value and through ``record_many``. ``prime``: one
     earlier value recorded in both the public way, as an earlier request does, so that the
     aggregations exist and ``record_many`` takes its fast path (else it goes the public way).
-    ``keyed``: the attributes' cache key computed once by the caller and passed on (as
-    ``emit._record_metrics`` does for a request's histograms)."""
+    ``keyed``: the attributes' cache key computed once by the caller and passed on, with the
+    current context for ``record_one`` (as ``emit._record_metrics`` does for a request's histograms)."""
     tracer = TracerProvider().get_tracer("t")
     public, public_readers = _histogram(views, readers)
     fast_histogram, fast_readers = _histogram(views, readers)
@@ -75,8 +75,9 @@ def _both(values, attributes=ATTRS, views=(), readers=1, in_span=True, prime=Tru
             public.record(value, attributes)
         key = attributes_key(attributes) if keyed else None
         if one_by_one:
+            current = ctx.get_current() if keyed else None  # (handed over with the key, as emit does)
             for value in values:
-                fast.record_one(value, attributes, key)
+                fast.record_one(value, attributes, key, current)
         else:
             fast.record_many(iter(values), attributes, key)
     finally:

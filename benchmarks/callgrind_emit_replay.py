@@ -1,0 +1,174 @@
+"""Instructions of the emitter's per-request pieces, replayed on a hand-built request, no model.
+
+    python benchmarks/callgrind_emit_replay.py CONFIG PIECE [N]
+
+Builds ``N`` (default 20) finished 128-step requests by hand (one token a step, steps back to
+back, the first 20 ms, the others 3 to 4 ms apart, drawn with a fixed seed; 8 input and 128
+output tokens), on an SDK ``TracerProvider`` with a ``BatchSpanProcessor`` and a discarding
+exporter and an SDK ``MeterProvider`` with an ``InMemoryMetricReader`` (three requests are
+emitted first, so that every histogram's aggregations exist), and counts one piece of the
+emitter for all of them, printing the instructions per request. No torch or transformers is
+imported: a run takes seconds under valgrind, so a change to the emitter can be counted at once.
+
+CONFIG: ``unsampled`` (``ParentBased(ALWAYS_OFF)``), ``step-spans-off`` (``ALWAYS_ON``,
+``max_step_spans=0``) or ``sampled`` (``ALWAYS_ON``, every step a span).
+
+PIECE:
+
+- ``finish``: :func:`otel_generate.emit.finish` (the request span started before, uncounted);
+- ``metrics``: ``emit._record_metrics`` (the request's histograms), its summary derived before;
+- ``derive``: :func:`otel_generate.derive.derive` as ``finish`` asks for it in this configuration;
+- ``steps``: ``emit._emit_steps`` (the 128 step spans; ``sampled`` only).
+
+How: the counted work runs inside ``operator.call`` (``--collect-atstart=no
+--toggle-collect=_operator_call``), the main thread's count alone (``--separate-threads=yes``:
+the span processor's thread is not counted), ``PYTHONHASHSEED=0``. The same piece counted in
+``callgrind_own_code.py``'s workload differs (that request's own numbers, another memory layout):
+this script is for comparing two versions of the emitter's code, not for the own-code total.
+Needs valgrind on Linux.
+"""
+
+from __future__ import annotations
+
+import glob
+import operator
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+CONFIGS = ("unsampled", "step-spans-off", "sampled")
+PIECES = ("finish", "metrics", "derive", "steps")
+STEPS = 128
+
+
+def child(config: str, piece: str, n: int) -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
+
+    from otel_generate import emit
+    from otel_generate.derive import derive
+    from otel_generate.options import Options
+    from otel_generate.request import Request
+    from otel_generate.telemetry import Telemetry
+
+    class Discard(SpanExporter):
+        def export(self, spans):
+            return SpanExportResult.SUCCESS
+
+    tracer_provider = TracerProvider(sampler=ParentBased(ALWAYS_OFF) if config == "unsampled" else ALWAYS_ON)
+    tracer_provider.add_span_processor(BatchSpanProcessor(Discard()))
+    meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
+    options = Options(
+        tracer_provider=tracer_provider,
+        meter_provider=meter_provider,
+        max_step_spans=0 if config == "step-spans-off" else 4096,
+    )
+    telemetry = Telemetry.from_options(options)
+    draw = random.Random(1)
+
+    def request() -> Request:
+        start = time.monotonic_ns()
+        ends = [start + 20_000_000]
+        for _ in range(STEPS - 1):
+            ends.append(ends[-1] + draw.randint(3_000_000, 4_000_000))
+        made = Request(
+            model="gpt2",
+            start_ns=start,
+            start_wall_ns=time.time_ns(),
+            device="cpu",
+            step_ends_ns=ends,
+            step_tokens=[1] * STEPS,
+            step_starts_ns=[start] + ends[:-1],
+            end_ns=ends[-1] + 100_000,
+            input_tokens=8,
+            output_tokens=STEPS,
+            output_tokens_per_sequence=[STEPS],
+            finish_reasons=["length"],
+        )
+        made.parameters.update({"gen_ai.request.max_tokens": STEPS, "gen_ai.request.temperature": 1.0})
+        return made
+
+    for _ in range(3):  # every histogram's aggregations exist from here on
+        emit.finish(telemetry, emit.start_request_span(telemetry, "gpt2"), request())
+    recording = config != "unsampled"
+    items = []
+    for _ in range(n):
+        span, made = emit.start_request_span(telemetry, "gpt2"), request()
+        summary = derive(made, telemetry.policy, steps=recording, spans=recording, inter_token=True)
+        items.append((span, made, summary))
+    if piece == "steps" and items[0][2].step_spans != STEPS:
+        raise SystemExit("steps: the configuration emits no step spans (use sampled)")
+    fast = telemetry.fast_histograms
+
+    def work() -> None:
+        for span, made, summary in items:
+            if piece == "finish":
+                emit.finish(telemetry, span, made)
+            elif piece == "metrics":
+                emit._record_metrics(telemetry.instruments, span, made, summary, fast)
+            elif piece == "derive":
+                derive(made, telemetry.policy, steps=recording, spans=recording, inter_token=True)
+            else:
+                emit._emit_steps(telemetry, span, made, summary)
+
+    operator.call(work)
+    tracer_provider.shutdown()
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--child"]:
+        child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        return 0
+    if not 3 <= len(sys.argv) <= 4 or sys.argv[1] not in CONFIGS or sys.argv[2] not in PIECES:
+        print(f"usage: {sys.argv[0]} {{{','.join(CONFIGS)}}} {{{','.join(PIECES)}}} [N]", file=sys.stderr)
+        return 2
+    n = int(sys.argv[3]) if len(sys.argv) == 4 and sys.argv[3].isdigit() else 20
+    if n < 1:
+        print("N must be at least 1", file=sys.stderr)
+        return 2
+    env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH")])
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        done = subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                "--collect-atstart=no",
+                "--toggle-collect=_operator_call",
+                "--separate-threads=yes",
+                f"--callgrind-out-file={os.path.join(folder, 'callgrind.out')}",
+                sys.executable,
+                os.path.abspath(__file__),
+                "--child",
+                sys.argv[1],
+                sys.argv[2],
+                str(n),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            print(f"valgrind exited {done.returncode}\n{done.stderr[-2000:]}", file=sys.stderr)
+            return 1
+        total = 0
+        for path in glob.glob(os.path.join(folder, "callgrind.out*")):
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                found = re.search(r"^(?:summary|totals): (\d+)", handle.read(), re.M)
+            if found is not None:
+                total += int(found.group(1))
+    print(f"{sys.argv[1]}, {sys.argv[2]}: {total / n:,.0f} instructions per request ({n} requests)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
