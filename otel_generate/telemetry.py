@@ -109,6 +109,7 @@ class Telemetry:
         #: call -> thread ident; ``uninstrument()`` waits for them (bounded) before removing the hooks
         self.setups: Dict[Any, int] = {}
         self.setups_changed = threading.Condition(threading.Lock())
+        self.setup_waiters = 0  # threads in wait_for_setups (guarded by setups_changed)
         _TELEMETRIES.add(self)  # a forked child forgets the parent's other threads' set-ups
         from otel_generate.fast_metrics import FastHistogram
         from otel_generate.fast_spans import FastStepSpans
@@ -137,6 +138,7 @@ class Telemetry:
         me = threading.get_ident()
         self.setups = {call: thread for call, thread in list(self.setups.items()) if thread == me}
         self.setups_changed = threading.Condition(threading.Lock())
+        self.setup_waiters = 0
 
     def metrics_live(self) -> bool:
         """Whether a measurement recorded now reaches a meter provider that aggregates it (an SDK

@@ -213,8 +213,8 @@ def setup_done(call: Call) -> None:
     if call not in telemetry.setups:
         return
     with telemetry.setups_changed:
-        if telemetry.setups.pop(call, None) is not None:
-            telemetry.setups_changed.notify_all()
+        if telemetry.setups.pop(call, None) is not None and telemetry.setup_waiters:
+            telemetry.setups_changed.notify_all()  # (only uninstrument() waits, rarely: then it is told)
 
 
 def wait_for_setups(telemetry: Telemetry, timeout_s: Optional[float] = None) -> bool:
@@ -229,9 +229,13 @@ def wait_for_setups(telemetry: Telemetry, timeout_s: Optional[float] = None) -> 
     me = threading.get_ident()
     bound = UNINSTRUMENT_SETUP_WAIT_S if timeout_s is None else timeout_s
     with telemetry.setups_changed:
-        return telemetry.setups_changed.wait_for(
-            lambda: all(thread == me for thread in telemetry.setups.values()), timeout=bound
-        )
+        telemetry.setup_waiters += 1  # (setup_done notifies only while someone waits)
+        try:
+            return telemetry.setups_changed.wait_for(
+                lambda: all(thread == me for thread in telemetry.setups.values()), timeout=bound
+            )
+        finally:
+            telemetry.setup_waiters -= 1
 
 
 def run_nested(original: Callable, model: Any, args: tuple, kwargs: dict) -> Any:

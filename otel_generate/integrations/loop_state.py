@@ -252,7 +252,7 @@ class Loop(LoopFrame):
     # (slots: more attributes than an instance dictionary shares its keys for, read on every request)
     __slots__ = (
         "assisted_generator", "cache", "call", "candidates_accepted", "candidates_proposed", "closed",
-        "criteria", "end_ns", "finish_reasons", "generation_config", "implicit", "incomplete",
+        "criteria", "end_ns", "finish_reasons", "generation_config", "implicit", "incomplete", "known_strategy",
         "input_tokens", "inputs_tensor", "kv_cache_bytes", "kwargs", "model", "model_input_name",
         "output_tokens", "paged", "parameters", "per_sequence", "prefill_steps", "prompt_length",
         "queue_ns", "recorder", "result", "start_ns", "step_ends_ns", "step_logprobs", "step_requests",
@@ -268,6 +268,8 @@ class Loop(LoopFrame):
         self.end_ns: Optional[int] = None
         self.closed = False
         self.generation_config: Any = None
+        #: the strategy, once the stopping criteria are built from the final config (read once)
+        self.known_strategy: Optional[str] = None
         self.prompt_length: Optional[int] = None
         self.inputs_tensor: Any = None
         self.model_input_name: Any = None
@@ -320,6 +322,8 @@ class Loop(LoopFrame):
 
     def strategy(self) -> Optional[str]:
         """``generate.strategy`` of this loop, once its ``GenerationConfig`` is known."""
+        if self.known_strategy is not None:
+            return self.known_strategy
         return loop_strategy(self.generation_config, self.kwargs)
 
     # --- hooks called from inside generate() ------------------------------------------------
@@ -343,7 +347,7 @@ class Loop(LoopFrame):
         hook = _step_hook
         if self.generation_config is None:
             self.generation_config = generation_config
-        strategy = self.strategy()
+        strategy = self.known_strategy = self.strategy()  # (the config is final: generate() is decoding next)
         call = self.call
         self.recorder = hook.StepRecorder(
             call.sync,

@@ -203,3 +203,31 @@ def test_uninstrument_during_a_multi_call_request_says_so(span_exporter, tracer_
     assert attrs[A.GENERATE_STEPS_UNINSTRUMENTED] is True
     assert attrs[A.GENERATE_STEPS] == 20  # the first window's steps, all timed
     assert A.GENERATE_STEPS_INCOMPLETE not in attrs and A.GENERATE_STEPS_UNOBSERVED not in attrs
+
+
+def test_a_set_up_finishing_wakes_a_waiting_uninstrument_at_once():
+    # setup_done notifies only while someone waits (setup_waiters): a waiter must still be woken
+    # when the set-up it waits for ends, long before its bound
+    from opentelemetry import trace
+
+    from otel_generate.telemetry import Telemetry
+
+    class Call:
+        pass
+
+    telemetry = Telemetry(trace.get_tracer("t"), None)
+    call = Call()
+    call.telemetry = telemetry
+    telemetry.setups[call] = -1  # another thread's request, inside its set-up
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(done=generate_loop.wait_for_setups(telemetry, 60)))
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while telemetry.setup_waiters == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert telemetry.setup_waiters == 1
+    ended = time.monotonic()
+    generate_loop.setup_done(call)
+    waiter.join(30)
+    assert result == {"done": True} and time.monotonic() - ended < 20  # woken, not timed out (60 s)
+    assert telemetry.setup_waiters == 0 and telemetry.setups == {}
