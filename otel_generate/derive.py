@@ -184,7 +184,8 @@ def first_token_step(tokens: Sequence[int]) -> Optional[int]:
 def prefill_indices(request: Request) -> set:
     """Indices of the steps that processed a prompt (named ``prefill``)."""
     first = set(range(request.prefill_steps))
-    first.update(call.first_step for call in request.calls if call.steps)
+    if request.calls:
+        first.update(call.first_step for call in request.calls if call.steps)
     return first
 
 

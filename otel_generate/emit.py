@@ -33,7 +33,7 @@ from otel_generate import attributes as A
 from otel_generate import telemetry as _telemetry
 from otel_generate._faults import Fault, error_type, log_fault_once
 from otel_generate.derive import Summary, derive
-from otel_generate.fast_metrics import attributes_key
+from otel_generate.fast_metrics import attributes_key, extended_key
 from otel_generate.fast_spans import fast_eligible, set_request_attributes
 from otel_generate.record import GenerationRecord
 from otel_generate.request import Request
@@ -413,26 +413,29 @@ def _record_metrics(
         if summary.time_per_output_token_s is not None:
             values.append((A.METRIC_TIME_PER_OUTPUT_TOKEN, summary.time_per_output_token_s, base, key))
     if A.METRIC_TOKEN_USAGE in instruments:
-        if request.input_tokens is not None:
-            inputs = {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_INPUT}
-            values.append((A.METRIC_TOKEN_USAGE, request.input_tokens, inputs, None))
-        if request.output_tokens is not None:
-            outputs = {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_OUTPUT}
-            values.append((A.METRIC_TOKEN_USAGE, request.output_tokens, outputs, None))
+        for tokens, token_type in (
+            (request.input_tokens, A.TOKEN_TYPE_INPUT),
+            (request.output_tokens, A.TOKEN_TYPE_OUTPUT),
+        ):
+            if tokens is not None:
+                usage = {**base, A.GEN_AI_TOKEN_TYPE: token_type}
+                usage_key = extended_key(key, A.GEN_AI_TOKEN_TYPE, token_type) if key is not None else None
+                values.append((A.METRIC_TOKEN_USAGE, tokens, usage, usage_key))
     latencies = (
         summary.inter_token_latencies_s
         if not error and summary.time_per_output_token_s is not None and A.METRIC_INTER_TOKEN_LATENCY in instruments
         else None
     )
     exemplar_span = span if span.get_span_context().trace_flags.sampled else trace.INVALID_SPAN
-    # (already the current span, as for an unsampled request with no parent: nothing to attach)
-    token = (
-        None
-        if trace.get_current_span() is exemplar_span
-        else otel_context.attach(trace.set_span_in_context(exemplar_span))
-    )
+    # the context the measurements are recorded in, handed to the fast path (which would look it up
+    # per histogram); already current when its span is the one exemplars may point at (an unsampled
+    # request with no parent): nothing to attach then
+    context = otel_context.get_current()
+    token = None
+    if trace.get_current_span(context) is not exemplar_span:
+        context = trace.set_span_in_context(exemplar_span, context)
+        token = otel_context.attach(context)
     try:
-        context = otel_context.get_current()
         for name, value, attributes, value_key in values:
             helper = fast.get(name)
             if helper is not None:
@@ -442,7 +445,7 @@ def _record_metrics(
         if latencies is not None:
             helper = fast.get(A.METRIC_INTER_TOKEN_LATENCY)
             if helper is not None:
-                helper.record_many(latencies, base, key)
+                helper.record_many(latencies, base, key, context)
             else:
                 record = instruments[A.METRIC_INTER_TOKEN_LATENCY].record
                 for value in latencies:

@@ -351,9 +351,23 @@ def attributes_key(attributes: Any) -> Any:
         # (float values are not cached: 0.0 and -0.0 are equal keys, yet an exemplar keeps the
         # measurement's own attributes)
         if _SCALARS.issuperset(types) and float not in types:
-            return (tuple(attributes), types, values)
+            return (_MIXED, tuple(attributes), types, values)
         return _UNCACHED
     return (attributes is None,)  # None or empty: kept apart (a measurement carries them as given)
+
+
+#: the first item of :func:`attributes_key`'s key of attributes that are not all ``str``
+_MIXED = object()
+
+
+def extended_key(key: Any, name: str, value: Any) -> Any:
+    """:func:`attributes_key` of ``{**attributes, name: value}`` (``name`` not among them), from
+    ``key``, :func:`attributes_key` of ``attributes``, where that can be told without them: both
+    all ``str`` (a request's token usage, its base attributes and the token type). Else ``None``
+    (then the attributes' own key is found when they are recorded)."""
+    if type(value) is str and type(key) is tuple and key and type(key[0]) is tuple:  # (all str: (name, value) pairs)
+        return key + ((name, value),)
+    return None
 
 
 class FastHistogram:
@@ -645,9 +659,10 @@ class FastHistogram:
                 object.__setattr__(m, "attributes", cleaned)
             aggregation._sample_exemplar(m, True)
 
-    def record_many(self, values: Iterable[float], attributes: Any, key: Any = None) -> None:
+    def record_many(self, values: Iterable[float], attributes: Any, key: Any = None, context: Any = None) -> None:
         """``histogram.record(value, attributes)`` for every value, in order, in the current context.
-        ``key``: :func:`attributes_key` of ``attributes``, when the caller has it (``None``: computed)."""
+        ``key``: :func:`attributes_key` of ``attributes``, and ``context``: the current context, when
+        the caller has them (``None``: found here)."""
         record = self._histogram.record
         rest = values if type(values) is list else list(values)
         if not rest:
@@ -656,7 +671,8 @@ class FastHistogram:
         if not self.broken and self._histogram._is_enabled():
             try:
                 resolved = self._resolve(attributes, key)
-                context = self._get_current()
+                if context is None:
+                    context = self._get_current()
                 exemplar_filter = self._histogram._measurement_consumer._sdk_config.exemplar_filter
                 once = type(exemplar_filter) in self._context_filters
             except _NotEligible:

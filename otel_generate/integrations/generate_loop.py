@@ -139,6 +139,8 @@ def pop_extras(kwargs: dict) -> dict:
     Raises:
         TypeError: ``per_token_latency_callback`` is not callable.
     """
+    if CALLBACK_KWARG not in kwargs and TRACK_KWARG not in kwargs:
+        return {}  # (the common case, without the comprehension)
     extras = {key: kwargs.pop(key) for key in (CALLBACK_KWARG, TRACK_KWARG) if key in kwargs}
     callback = extras.get(CALLBACK_KWARG)
     if callback is not None and not callable(callback):

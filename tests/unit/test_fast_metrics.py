@@ -13,7 +13,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.trace import TracerProvider
 
-from otel_generate.fast_metrics import _UNCACHED, FastHistogram, attributes_key
+from otel_generate.fast_metrics import _MIXED, _UNCACHED, FastHistogram, attributes_key, extended_key
 
 BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1]
 VALUES = [0.0004, 0.002, 0.002, 0.007, 0.03, 0.2, 0.0, 0.049, 0.011] * 5
@@ -395,7 +395,7 @@ def test_a_key_computed_by_the_caller_gives_what_record_gives(values, attributes
 
 def test_the_cache_key_of_attributes():
     assert attributes_key({"a": "x", "b": "y"}) == (("a", "x"), ("b", "y"))
-    assert attributes_key({"a": True, "b": 1}) == (("a", "b"), (bool, int), (True, 1))
+    assert attributes_key({"a": True, "b": 1}) == (_MIXED, ("a", "b"), (bool, int), (True, 1))
     assert attributes_key({"a": "x", "f": 0.5}) is _UNCACHED  # floats: resolved every time
     assert attributes_key({"a": ["x"]}) is _UNCACHED
     assert attributes_key(None) == (True,) and attributes_key({}) == (False,)
@@ -469,3 +469,19 @@ def test_the_sum_is_added_value_by_value_in_order_not_compensated():
     for value in values:
         naive += value
     assert public == fast and not helper.broken and point[3] == naive != math.fsum([0.5, *values])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    attributes=st.dictionaries(
+        st.text(max_size=3), st.one_of(st.text(max_size=3), st.booleans(), st.integers()), max_size=3
+    ),
+    value=st.one_of(st.text(max_size=3), st.integers()),
+)
+def test_a_key_extended_by_one_attribute_is_that_attributes_own_key(attributes, value):
+    name = "gen_ai.token.type"  # (not among the drawn names: at most 3 characters)
+    extended = extended_key(attributes_key(attributes), name, value)
+    if extended is None:  # not told from the key alone: the attributes' own is found when recorded
+        assert not attributes or not all(type(v) is str for v in attributes.values()) or type(value) is not str
+    else:
+        assert extended == attributes_key({**attributes, name: value})
