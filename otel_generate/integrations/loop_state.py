@@ -140,7 +140,8 @@ class Call(CallFrame):
             if self.timed:
                 devices = list(clock.devices_of(model))
                 device = clock.device_name(devices[-1]) if devices else None
-                if telemetry.synchronize:
+                # (one CPU device: nothing to wait for, as synchronizer_for would find)
+                if telemetry.synchronize and not (device == "cpu" and len(devices) == 1):
                     try:
                         self.sync = clock.synchronizer_for(devices)
                     except ValueError as fault:  # a device type with no synchronize we know of

@@ -228,8 +228,12 @@ class RecordingCriteriaList(StoppingCriteriaList):
         if plain is not None and self.recorder.fault is None:
             # StoppingCriteriaList.__call__'s own code (criteria_call_known), without the call
             is_done = torch.full((input_ids.shape[0],), False, device=input_ids.device, dtype=torch.bool)
-            for criteria in self:
-                is_done = is_done | criteria(input_ids, scores, **kwargs)
+            if kwargs:
+                for criteria in self:
+                    is_done = is_done | criteria(input_ids, scores, **kwargs)
+            else:  # (how transformers calls it: no keyword, so a plain call, not one unpacking a dict)
+                for criteria in self:
+                    is_done = is_done | criteria(input_ids, scores)
         else:
             if kwargs:
                 is_done = StoppingCriteriaList.__call__(self, input_ids, scores, **kwargs)
