@@ -314,14 +314,16 @@ def _batch_on_end_known(processor_type: type) -> bool:
 def _end_calls(processors: Sequence[Any]) -> Tuple[Tuple[Any, ...], Tuple[Any, ...]]:
     """``(for a sampled span, for a recording span that is not sampled)``: what the
     multi-processor's ``on_end`` calls, one call per processor, in order. A ``BatchSpanProcessor``
-    whose ``on_end`` is :data:`_BATCH_ON_END` (a step span's context is a non-empty tuple) gives
-    its batch processor's ``emit`` for a sampled span and nothing for another; every other
-    processor its ``on_end`` for both."""
+    whose ``on_end`` is :data:`_BATCH_ON_END` (a step span's context is a non-empty tuple), not
+    replaced on the object itself, gives its batch processor's ``emit`` for a sampled span and
+    nothing for another; every other processor its ``on_end`` for both."""
     sampled: List[Any] = []
     unsampled: List[Any] = []
     for processor in processors:
         batch = getattr(processor, "_batch_processor", None)
-        if batch is not None and _batch_on_end_known(type(processor)):
+        own = getattr(processor, "__dict__", None)
+        # (an on_end set on the processor object itself is what the multi-processor calls)
+        if batch is not None and (own is None or "on_end" not in own) and _batch_on_end_known(type(processor)):
             sampled.append(batch.emit)
         else:
             sampled.append(processor.on_end)

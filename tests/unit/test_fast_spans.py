@@ -197,6 +197,22 @@ def test_a_patched_batch_processor_on_end_is_called_not_gone_around(monkeypatch)
     assert done == 3 and seen == ["prefill", "decode", "decode"] and len(exporter.get_finished_spans()) == 3
 
 
+def test_an_on_end_set_on_a_batch_processor_object_is_called_not_gone_around():
+    exporter = InMemorySpanExporter()
+    processor = BatchSpanProcessor(exporter)
+    seen = []
+    on_end = processor.on_end
+
+    def counting(span):  # another tool's wrapper, set on the object
+        seen.append(span.name)
+        on_end(span)
+
+    processor.on_end = counting
+    done, _, _ = _steps_through(processor)
+    processor.force_flush()
+    assert done == 3 and seen == ["prefill", "decode", "decode"] and len(exporter.get_finished_spans()) == 3
+
+
 def test_a_processor_raising_for_one_step_span_is_logged_once_and_the_others_go_on(monkeypatch, caplog):
     import logging
 
