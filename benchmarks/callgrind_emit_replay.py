@@ -1,11 +1,11 @@
 """Instructions of the emitter's per-request pieces, replayed on a hand-built request, no model.
 
-    python benchmarks/callgrind_emit_replay.py CONFIG PIECE [N]
+    python benchmarks/callgrind_emit_replay.py CONFIG PIECE [N] [--time]
 
 Builds ``N`` (default 20) finished 128-step requests by hand (one token a step, steps back to
 back, the first 20 ms, the others 3 to 4 ms apart, drawn with a fixed seed; 8 input and 128
-output tokens), on an SDK ``TracerProvider`` with a ``BatchSpanProcessor`` and a discarding
-exporter and an SDK ``MeterProvider`` with an ``InMemoryMetricReader`` (three requests are
+output tokens), on an SDK ``TracerProvider`` with a ``BatchSpanProcessor`` (a queue of 65,536) and a
+discarding exporter and an SDK ``MeterProvider`` with an ``InMemoryMetricReader`` (three requests are
 emitted first, so that every histogram's aggregations exist), and counts one piece of the
 emitter for all of them, printing the instructions per request. No torch or transformers is
 imported: a run takes seconds under valgrind, so a change to the emitter can be counted at once.
@@ -26,6 +26,10 @@ the span processor's thread is not counted), ``PYTHONHASHSEED=0``. The same piec
 ``callgrind_own_code.py``'s workload differs (that request's own numbers, another memory layout):
 this script is for comparing two versions of the emitter's code, not for the own-code total.
 Needs valgrind on Linux.
+
+``--time``: no valgrind; the same requests, each piece timed with ``time.perf_counter_ns`` in this
+process, and the median printed in microseconds (time, unlike instructions, moves with whatever
+else the machine runs).
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ PIECES = ("finish", "metrics", "derive", "steps")
 STEPS = 128
 
 
-def child(config: str, piece: str, n: int) -> None:
+def prepare(config: str, piece: str, n: int) -> tuple:
+    """``(one, items, tracer_provider)``: ``one(item)`` runs ``piece`` for one of the ``n`` prepared
+    requests in ``items``."""
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace import TracerProvider
@@ -63,7 +69,8 @@ def child(config: str, piece: str, n: int) -> None:
             return SpanExportResult.SUCCESS
 
     tracer_provider = TracerProvider(sampler=ParentBased(ALWAYS_OFF) if config == "unsampled" else ALWAYS_ON)
-    tracer_provider.add_span_processor(BatchSpanProcessor(Discard()))
+    # (a queue long enough for every step span of N requests: none is dropped)
+    tracer_provider.add_span_processor(BatchSpanProcessor(Discard(), max_queue_size=1 << 16))
     meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
     options = Options(
         tracer_provider=tracer_provider,
@@ -107,32 +114,63 @@ def child(config: str, piece: str, n: int) -> None:
         raise SystemExit("steps: the configuration emits no step spans (use sampled)")
     fast = telemetry.fast_histograms
 
-    def work() -> None:
-        for span, made, summary in items:
-            if piece == "finish":
-                emit.finish(telemetry, span, made)
-            elif piece == "metrics":
-                emit._record_metrics(telemetry.instruments, span, made, summary, fast)
-            elif piece == "derive":
-                derive(made, telemetry.policy, steps=recording, spans=recording, inter_token=True)
-            else:
-                emit._emit_steps(telemetry, span, made, summary)
+    def one(item: tuple) -> None:
+        span, made, summary = item
+        if piece == "finish":
+            emit.finish(telemetry, span, made)
+        elif piece == "metrics":
+            emit._record_metrics(telemetry.instruments, span, made, summary, fast)
+        elif piece == "derive":
+            derive(made, telemetry.policy, steps=recording, spans=recording, inter_token=True)
+        else:
+            emit._emit_steps(telemetry, span, made, summary)
 
-    operator.call(work)
+    return one, items, tracer_provider
+
+
+def child(config: str, piece: str, n: int) -> None:
+    one, items, tracer_provider = prepare(config, piece, n)
+    operator.call(lambda: [one(item) for item in items])
     tracer_provider.shutdown()
+
+
+def timed(config: str, piece: str, n: int) -> float:
+    """The median of ``piece``'s time over ``n`` requests, microseconds."""
+    import statistics
+
+    one, items, tracer_provider = prepare(config, piece, n)
+    times = []
+    for item in items:
+        start = time.perf_counter_ns()
+        one(item)
+        times.append(time.perf_counter_ns() - start)
+    tracer_provider.shutdown()
+    return statistics.median(times) / 1000
 
 
 def main() -> int:
     if sys.argv[1:2] == ["--child"]:
         child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
         return 0
-    if not 3 <= len(sys.argv) <= 4 or sys.argv[1] not in CONFIGS or sys.argv[2] not in PIECES:
-        print(f"usage: {sys.argv[0]} {{{','.join(CONFIGS)}}} {{{','.join(PIECES)}}} [N]", file=sys.stderr)
+    args = [arg for arg in sys.argv[1:] if arg != "--time"]
+    time_it = len(args) < len(sys.argv) - 1
+    if (
+        not 2 <= len(args) <= 3
+        or args[0] not in CONFIGS
+        or args[1] not in PIECES
+        or (len(args) == 3 and not args[2].isdigit())
+    ):
+        print(f"usage: {sys.argv[0]} {{{','.join(CONFIGS)}}} {{{','.join(PIECES)}}} [N] [--time]", file=sys.stderr)
         return 2
-    n = int(sys.argv[3]) if len(sys.argv) == 4 and sys.argv[3].isdigit() else 20
+    n = int(args[2]) if len(args) == 3 else 20
     if n < 1:
         print("N must be at least 1", file=sys.stderr)
         return 2
+    if time_it:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        median_us = timed(args[0], args[1], n)
+        print(f"{args[0]}, {args[1]}: {median_us:,.1f} µs per request, median ({n} requests)")
+        return 0
     env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH")])
@@ -149,8 +187,8 @@ def main() -> int:
                 sys.executable,
                 os.path.abspath(__file__),
                 "--child",
-                sys.argv[1],
-                sys.argv[2],
+                args[0],
+                args[1],
                 str(n),
             ],
             env=env,
@@ -166,7 +204,7 @@ def main() -> int:
                 found = re.search(r"^(?:summary|totals): (\d+)", handle.read(), re.M)
             if found is not None:
                 total += int(found.group(1))
-    print(f"{sys.argv[1]}, {sys.argv[2]}: {total / n:,.0f} instructions per request ({n} requests)")
+    print(f"{args[0]}, {args[1]}: {total / n:,.0f} instructions per request ({n} requests)")
     return 0
 
 
