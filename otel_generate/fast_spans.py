@@ -197,8 +197,16 @@ class FastStepSpans:
         count = len(names)
         if self.broken:
             return begin
-        # what ending a sampled span, and a recording one that is not, calls (read once a call)
-        ends_sampled, ends_unsampled = _end_calls(self._checked)
+        try:
+            # what ending a sampled span, and a recording one that is not, calls (read once a call)
+            ends_sampled, ends_unsampled = _end_calls(self._checked)
+            resource = self._tracer.resource
+            if resource is not self._resource:  # (the provider's resource changed: a forked child's)
+                self._resource = self._template["_resource"] = resource
+        except Exception as fault:
+            self.broken = True
+            log_fault_once(Fault.FAST_STEP_SPANS, fault)
+            return begin
         on_ends: Sequence[Any] = ()
         new_span_id, new_tuple, span_context = self._new_span_id, self._new_tuple, self._span_context
         new_readable, readable, template = self._new_readable, self._readable, self._template
@@ -296,14 +304,12 @@ def _batch_on_end_known(processor_type: type) -> bool:
     read as the function's) that runs exactly :data:`_BATCH_ON_END`; read once per function
     object, so a patch of it is checked when it is made."""
     function = getattr(processor_type, "on_end", None)
+    if not inspect.isfunction(function):  # (a wrapper object, perhaps not even hashable: its own on_end)
+        return False
     known = _checked_on_ends.get(function)
     if known is None:
         try:
-            known = (
-                inspect.isfunction(function)
-                and not hasattr(function, "__wrapped__")
-                and same_code(function, _BATCH_ON_END)
-            )
+            known = not hasattr(function, "__wrapped__") and same_code(function, _BATCH_ON_END)
         except Exception:  # no source, another layout: never relied on
             known = False
         if len(_checked_on_ends) < 16:

@@ -258,6 +258,7 @@ class Loop(LoopFrame):
         "output_tokens", "paged", "parameters", "per_sequence", "prefill_steps", "prompt_length",
         "queue_ns", "recorder", "result", "start_ns", "step_ends_ns", "step_logprobs", "step_requests",
         "step_starts_ns", "step_tokens", "temperature", "uninstrumented", "unobserved", "window",
+        "__weakref__",  # (a loop may be referred to weakly, as a dictionary-backed object may)
     )  # fmt: skip
 
     def __init__(self, call: Call, model: Any, kwargs: dict, implicit: bool, start_ns: Optional[int] = None) -> None:

@@ -249,3 +249,38 @@ def test_emit_many_stops_at_the_first_step_it_may_not_take():
     exporter.clear()
     done, _, _ = _steps_through(SimpleSpanProcessor(exporter), count=4, begin=3)
     assert done == 4 and [s.attributes["generate.step.index"] for s in exporter.get_finished_spans()] == [3]
+
+
+def test_an_on_end_object_that_cannot_be_hashed_is_called_for_every_step_span(monkeypatch):
+    seen = []
+
+    class Counted:  # a callable set on the class, not a function: with __eq__, so no __hash__
+        def __eq__(self, other):
+            return self is other
+
+        def __call__(self, span):
+            seen.append(span.name)
+
+    monkeypatch.setattr(BatchSpanProcessor, "on_end", Counted())
+    processor = BatchSpanProcessor(InMemorySpanExporter())
+    done, _, fast = _steps_through(processor)
+    assert done == 3 and not fast.broken and seen == ["prefill", "decode", "decode"]
+    processor.shutdown()
+
+
+def test_step_spans_carry_the_providers_resource_when_it_changes_as_after_a_fork():
+    from opentelemetry import trace
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    exporter = InMemorySpanExporter()
+    tracer = provider_with(SimpleSpanProcessor(exporter)).get_tracer("t")
+    fast = FastStepSpans.for_tracer(tracer)
+    child = Resource({"service.instance.id": "the-child"})
+    tracer._set_resource(child)  # (what TracerProvider._handle_fork does in a forked child)
+    request = tracer.start_span("request")
+    done = fast.emit_many(
+        [trace.set_span_in_context(request)], [request.get_span_context()], ["prefill"], [1], [2], [{"i": 0}]
+    )
+    (step,) = exporter.get_finished_spans()
+    assert done == 1 and step.resource is child
