@@ -34,15 +34,13 @@ else the machine runs).
 
 from __future__ import annotations
 
-import glob
 import operator
 import os
 import random
-import re
-import subprocess
 import sys
-import tempfile
 import time
+
+import callgrind_toggled  # noqa: E402  (benchmarks/, the script's own folder)
 
 CONFIGS = ("unsampled", "step-spans-off", "sampled")
 PIECES = ("finish", "metrics", "derive", "steps")
@@ -175,35 +173,10 @@ def main() -> int:
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH")])
     )
-    with tempfile.TemporaryDirectory() as folder:
-        done = subprocess.run(
-            [
-                "valgrind",
-                "--tool=callgrind",
-                "--collect-atstart=no",
-                "--toggle-collect=_operator_call",
-                "--separate-threads=yes",
-                f"--callgrind-out-file={os.path.join(folder, 'callgrind.out')}",
-                sys.executable,
-                os.path.abspath(__file__),
-                "--child",
-                args[0],
-                args[1],
-                str(n),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            print(f"valgrind exited {done.returncode}\n{done.stderr[-2000:]}", file=sys.stderr)
-            return 1
-        total = 0
-        for path in glob.glob(os.path.join(folder, "callgrind.out*")):
-            with open(path, encoding="utf-8", errors="replace") as handle:
-                found = re.search(r"^(?:summary|totals): (\d+)", handle.read(), re.M)
-            if found is not None:
-                total += int(found.group(1))
+    # (--separate-threads: the span processor's thread is counted apart, and it never enters operator.call)
+    total = sum(
+        callgrind_toggled.operator_call_totals(__file__, (args[0], args[1], str(n)), ("--separate-threads=yes",), env)
+    )
     print(f"{args[0]}, {args[1]}: {total / n:,.0f} instructions per request ({n} requests)")
     return 0
 

@@ -25,13 +25,11 @@ saves on every step, which ``callgrind_own_code.py``'s count does not see. Needs
 
 from __future__ import annotations
 
-import glob
 import operator
 import os
-import re
-import subprocess
 import sys
-import tempfile
+
+import callgrind_toggled  # noqa: E402  (benchmarks/, the script's own folder)
 
 VARIANTS = ("plain", "call", "inline")
 ROUNDS = 3
@@ -80,32 +78,8 @@ def child(calls: int) -> None:
 def counts(calls: int) -> list:
     """Run :func:`child` under callgrind; the instructions of each counted stretch, in order."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
-    with tempfile.TemporaryDirectory() as folder:
-        done = subprocess.run(
-            [
-                "valgrind",
-                "--tool=callgrind",
-                "--collect-atstart=no",
-                "--toggle-collect=_operator_call",
-                "--dump-after=_operator_call",
-                f"--callgrind-out-file={os.path.join(folder, 'callgrind.out')}",
-                sys.executable,
-                os.path.abspath(__file__),
-                "--child",
-                str(calls),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            raise SystemExit(f"valgrind exited {done.returncode}\n{done.stderr[-2000:]}{done.stdout[-2000:]}")
-        found = []
-        for path in sorted(glob.glob(os.path.join(folder, "callgrind.out.*")), key=lambda p: int(p.rsplit(".", 1)[1])):
-            with open(path, encoding="utf-8", errors="replace") as handle:
-                total = re.search(r"^(?:summary|totals): (\d+)", handle.read(), re.M)
-            if total is not None and int(total.group(1)) > 0:
-                found.append(int(total.group(1)))
+    totals = callgrind_toggled.operator_call_totals(__file__, (str(calls),), ("--dump-after=_operator_call",), env)
+    found = [total for total in totals if total > 0]
     if len(found) != ROUNDS * len(VARIANTS):
         raise SystemExit(f"{len(found)} counted stretches found, {ROUNDS * len(VARIANTS)} expected")
     return found

@@ -11,13 +11,14 @@ thread, so that idle threads do not spin, and string hashing is fixed (``PYTHONH
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Optional, Sequence, TypeVar
+from typing import Callable, Dict, List, Optional, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -88,3 +89,41 @@ def run_stretch(script: str, child_args: Sequence[str], valgrind_args: Sequence[
         signal(folder, "stop")
         valgrind.wait()
         return read(folder)
+
+
+def operator_call_totals(
+    script: str, child_args: Sequence[str], valgrind_args: Sequence[str], env: Dict[str, str]
+) -> List[int]:
+    """Run ``script --child *child_args`` under callgrind counting only inside ``operator.call``
+    (``--collect-atstart=no --toggle-collect=_operator_call``, then ``valgrind_args``, such as
+    ``--dump-after=_operator_call`` or ``--separate-threads=yes``), with ``env``; the total of each
+    output file, in the order of its number (a dump's ``.N``, a thread's ``-NN``). Raises
+    ``SystemExit`` with valgrind's output when it fails."""
+    with tempfile.TemporaryDirectory() as folder:
+        done = subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                "--collect-atstart=no",
+                "--toggle-collect=_operator_call",
+                *valgrind_args,
+                f"--callgrind-out-file={os.path.join(folder, 'callgrind.out')}",
+                sys.executable,
+                os.path.abspath(script),
+                "--child",
+                *child_args,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            raise SystemExit(f"valgrind exited {done.returncode}\n{done.stderr[-2000:]}{done.stdout[-2000:]}")
+        totals = []
+        paths = glob.glob(os.path.join(folder, "callgrind.out*"))
+        for path in sorted(paths, key=lambda p: int(re.sub(r"\D", "", os.path.basename(p)) or 0)):
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                found = re.search(r"^(?:summary|totals): (\d+)", handle.read(), re.M)
+            if found is not None:
+                totals.append(int(found.group(1)))
+    return totals
