@@ -125,12 +125,15 @@ def generate_once():
     return int(out.shape[-1] - ids.shape[-1])
 
 def ours(function):
-    # whether a function in the chain of __wrapped__ is this package's (by its code's file: functools.wraps
-    # copies __module__ from the original)
+    # whether a function in the chain of __wrapped__ is this package's (by its code's file, inside the
+    # package's own folder: functools.wraps copies __module__ from the original, and a clone named
+    # otel_generate may hold the venv that transformers is installed in)
+    import otel_generate
+    package = pathlib.Path(otel_generate.__file__).resolve().parent
     seen = function
     for _ in range(16):
         code = getattr(seen, "__code__", None)
-        if code is not None and "otel_generate" in pathlib.PurePath(code.co_filename).parts:
+        if code is not None and pathlib.Path(code.co_filename).resolve().is_relative_to(package):
             return True
         seen = getattr(seen, "__wrapped__", None)
         if seen is None:
