@@ -299,26 +299,35 @@ def _exemplar_decision(
     return sample, ids
 
 
-def _last_in_each_bucket(order: Sequence[int], ordered: Sequence[float], boundaries: Sequence[float]) -> Dict[int, int]:
+def _last_in_each_bucket(
+    values: Sequence[float], ordered: Sequence[float], boundaries: Sequence[float]
+) -> Dict[int, int]:
     """``{bucket: the last position in values of a value in that bucket}`` for the buckets that
     ``boundaries`` make (a value's bucket is ``bisect_left(boundaries, value)``), the same dict as
     ``for position, value in enumerate(values): last[bisect_left(boundaries, value)] = position``.
-    ``order`` is the positions of ``values`` sorted by value, ``ordered`` the values in that order:
-    a bucket's values are a run of ``ordered`` (the values <= a boundary are
-    ``bisect_right(ordered, boundary)``), their positions the same run of ``order`` (iterated in C)."""
-    count, below = len(ordered), 0
-    bisect_right = bisect.bisect_right
-    last: Dict[int, int] = {}
-    for index, bound in enumerate(boundaries):
+    ``ordered`` is ``values`` sorted: the buckets that hold a value are counted from it (the values
+    <= a boundary are ``bisect_right(ordered, boundary)``), then ``values`` is walked from its end
+    until each of them has its last position (a request's latencies mostly share a few buckets:
+    the walk stops after a few values; at worst it visits them all)."""
+    count, below, filled = len(ordered), 0, 0
+    bisect_left, bisect_right = bisect.bisect_left, bisect.bisect_right
+    for bound in boundaries:
         upto = bisect_right(ordered, bound)
         if upto > below:
-            last[index] = max(order[below:upto])
+            filled += 1
             below = upto
             if below == count:
                 break
     else:
         if count > below:
-            last[len(boundaries)] = max(order[below:])
+            filled += 1
+    last: Dict[int, int] = {}
+    for position in range(count - 1, -1, -1):
+        bucket = bisect_left(boundaries, values[position])
+        if bucket not in last:
+            last[bucket] = position
+            if len(last) == filled:
+                break
     return last
 
 
@@ -516,14 +525,7 @@ class FastHistogram:
             # a reservoir that may keep any value draws random numbers: the public path offers each
             # value to every aggregation in turn, and so does the per-value path
             return False
-        order: Sequence[int] = (0,)
-        if len(values) == 1:
-            ordered = values
-        elif sample:  # the exemplars need each value's position too
-            order = sorted(range(len(values)), key=values.__getitem__)
-            ordered = list(map(values.__getitem__, order))
-        else:
-            ordered = sorted(values)
+        ordered = values if len(values) == 1 else sorted(values)
         # min and max per value keep the first of equal values (1 and 1.0, -0.0 and 0.0): the
         # sort is stable, so that is the first of its run in the sorted order
         low = ordered[0]
@@ -571,7 +573,7 @@ class FastHistogram:
             elif count == 1:
                 positions = (0,)
             else:
-                positions = sorted(_last_in_each_bucket(order, ordered, boundaries).values())
+                positions = sorted(_last_in_each_bucket(values, ordered, boundaries).values())
             if reservoir is not None:  # what its offer does
                 for position in positions:
                     value = values[position]

@@ -359,8 +359,7 @@ def test_each_buckets_last_position_is_that_of_a_scan_of_every_value(values, bou
     every: dict = {}
     for position, value in enumerate(values):
         every[bisect.bisect_left(boundaries, value)] = position
-    order = sorted(range(len(values)), key=values.__getitem__)
-    assert _last_in_each_bucket(order, [values[i] for i in order], boundaries) == every
+    assert _last_in_each_bucket(values, sorted(values), boundaries) == every
 
 
 @settings(max_examples=150, deadline=None)
