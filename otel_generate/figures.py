@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 _CACHE_PARTS = ("layers", "keys", "values", "key_cache", "value_cache", "self_attention_cache", "cross_attention_cache")
@@ -56,12 +57,17 @@ def cache_bytes(cache: Any) -> Optional[int]:
     found = False
     seen = set()
     pending = [cache]
+    torch = sys.modules.get("torch")
+    tensor = torch.Tensor if torch is not None else None  # (its nbytes is numel() * element_size(), in one call)
     while pending:
         item = pending.pop()
         if item is None or id(item) in seen:
             continue
         seen.add(id(item))
-        if hasattr(item, "element_size") and hasattr(item, "numel"):
+        if type(item) is tensor:
+            total += item.nbytes
+            found = True
+        elif hasattr(item, "element_size") and hasattr(item, "numel"):
             total += int(item.numel()) * int(item.element_size())
             found = True
         elif isinstance(item, (list, tuple)):

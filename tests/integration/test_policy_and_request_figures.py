@@ -252,6 +252,30 @@ def test_kv_cache_size_is_the_bytes_of_the_returned_cache(instrumented, span_exp
     assert only_request(span_exporter).attributes[A.GENERATE_KV_CACHE_SIZE] == expected
 
 
+def test_cache_bytes_of_tensors_views_parameters_and_duck_typed_ones():
+    """Each tensor's numel() * element_size(), whether read by nbytes (a plain tensor) or by the two
+    calls (a subclass such as a Parameter, an object that only looks like a tensor), each counted once."""
+
+    class Duck:  # numel() and element_size() only
+        def numel(self):
+            return 7
+
+        def element_size(self):
+            return 3
+
+    base = torch.zeros(4, 6, dtype=torch.bfloat16)
+    tensors = [
+        base,
+        base[:, ::2],  # a non-contiguous view: its own elements, not the storage
+        torch.zeros(0, 5),
+        torch.ones(3, dtype=torch.int8),
+        torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.float64)),
+    ]
+    expected = sum(t.numel() * t.element_size() for t in tensors) + 21
+    assert cache_bytes([tensors, (base, Duck())]) == expected  # base twice, counted once
+    assert cache_bytes([[], None]) is None
+
+
 def test_peak_memory_on_cuda_is_read_after_a_reset(instrumented, span_exporter, gpt2, monkeypatch):
     """A faked CUDA device: the peak statistic is reset when the request starts and read when it ends."""
     from otel_generate import clock
