@@ -66,6 +66,11 @@ def test_request_attributes_end_as_set_attributes_leaves_them():
     assert dict(fast.attributes)["gen_ai.response.finish_reasons"] == ("length", "stop")  # a tuple, as cleaned
     # a key set again moves to the end, as the SDK deletes it first
     assert list(fast.attributes)[0] == "gen_ai.operation.name" and list(fast.attributes)[-2] == "gen_ai.request.model"
+    public, fast = _two_spans(max_span_attribute_length=5)
+    mixed = {"k": [1, "short", True, 0.5], "t": ("a", "b")}  # at the limit, of every element type
+    public.set_attributes(mixed)
+    assert set_request_attributes(fast, mixed)
+    assert _state(fast) == _state(public)
 
 
 def test_request_attributes_not_taken_where_cleaning_would_change_or_drop_something():
@@ -77,6 +82,8 @@ def test_request_attributes_not_taken_where_cleaning_would_change_or_drop_someth
         ({}, {"k": None}),
         ({}, {"k": {"nested": 1}}),
         ({}, {"k": [1, None]}),
+        ({}, {"k": (1, b"bytes")}),
+        ({"max_span_attribute_length": 5}, {"k": [1, "short", "longer"]}),  # an element would be truncated
         ({}, {"": 1}),
         ({}, {3: 1}),
         ({}, {"k": b"bytes"}),
