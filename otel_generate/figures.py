@@ -65,7 +65,10 @@ def cache_bytes(cache: Any) -> Optional[int]:
             continue
         seen.add(id(item))
         if type(item) is tensor:
-            total += item.nbytes
+            try:
+                total += item.nbytes
+            except RuntimeError:  # a sparse tensor has none: its dense size, as below
+                total += int(item.numel()) * int(item.element_size())
             found = True
         elif hasattr(item, "element_size") and hasattr(item, "numel"):
             total += int(item.numel()) * int(item.element_size())

@@ -270,6 +270,7 @@ def test_cache_bytes_of_tensors_views_parameters_and_duck_typed_ones():
         torch.zeros(0, 5),
         torch.ones(3, dtype=torch.int8),
         torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.float64)),
+        torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (5,)),  # no nbytes: its dense size
     ]
     expected = sum(t.numel() * t.element_size() for t in tensors) + 21
     assert cache_bytes([tensors, (base, Duck())]) == expected  # base twice, counted once
