@@ -372,7 +372,7 @@ def fast_eligible(attributes: Dict[str, Any]) -> bool:
 #: effect only while the installed SDK's code is this.
 _SET_ATTRIBUTES_CODE = "8227d5eb6db752ed25d920470903028aa7275fda003023caa7a9aa3344504373"
 _SCALAR_TYPES = (bool, int, float)
-_ELEMENT_TYPES = frozenset((bool, int, float, str))  # what a list or tuple value may hold
+_ELEMENT_TYPES = frozenset((*_SCALAR_TYPES, str))  # what a list or tuple value may hold
 _attribute_classes: Dict[tuple, bool] = {}
 
 
