@@ -299,35 +299,56 @@ def _exemplar_decision(
     return sample, ids
 
 
+#: a bucket holding at most this many of a request's values is found by looking those values up
+#: from the end (:func:`_last_in_each_bucket`)
+_FEW = 2
+
+
 def _last_in_each_bucket(
     values: Sequence[float], ordered: Sequence[float], boundaries: Sequence[float]
 ) -> Dict[int, int]:
     """``{bucket: the last position in values of a value in that bucket}`` for the buckets that
     ``boundaries`` make (a value's bucket is ``bisect_left(boundaries, value)``), the same dict as
     ``for position, value in enumerate(values): last[bisect_left(boundaries, value)] = position``.
-    ``ordered`` is ``values`` sorted: the buckets that hold a value are counted from it (the values
-    <= a boundary are ``bisect_right(ordered, boundary)``), then ``values`` is walked from its end
-    until each of them has its last position (a request's latencies mostly share a few buckets:
-    the walk stops after a few values; at worst it visits them all)."""
-    count, below, filled = len(ordered), 0, 0
+
+    ``ordered`` is ``values`` sorted: the buckets that hold a value, and which of the sorted values
+    each holds, are read from it (the values <= a boundary are ``bisect_right(ordered, boundary)``;
+    the buckets below the smallest value are skipped). A bucket of at most :data:`_FEW` values (a
+    rare slow step) gets the last position of any of them, searched for from the end in C
+    (``list.index`` on the reversed values); the others are found by a walk back from the last value,
+    which stops once each has its position (a request's latencies mostly share a few buckets: after
+    a value or two; at worst it visits them all)."""
+    count, below = len(ordered), 0
     bisect_left, bisect_right = bisect.bisect_left, bisect.bisect_right
-    for bound in boundaries:
-        upto = bisect_right(ordered, bound)
+    filled: List[Tuple[int, int, int]] = []  # (bucket, first, end): ordered[first:end] are its values
+    lowest = bisect_left(boundaries, ordered[0]) if count else 0  # (no value in the buckets below)
+    for bucket in range(lowest, len(boundaries)):
+        upto = bisect_right(ordered, boundaries[bucket])
         if upto > below:
-            filled += 1
+            filled.append((bucket, below, upto))
             below = upto
             if below == count:
                 break
     else:
         if count > below:
-            filled += 1
+            filled.append((len(boundaries), below, count))
+    if len(filled) == 1:  # one bucket: the last value's
+        return {filled[0][0]: count - 1}
     last: Dict[int, int] = {}
-    for position in range(count - 1, -1, -1):
-        bucket = bisect_left(boundaries, values[position])
-        if bucket not in last:
-            last[bucket] = position
-            if len(last) == filled:
-                break
+    backwards = None
+    for bucket, first, end in filled:
+        if end - first <= _FEW:
+            if backwards is None:
+                backwards = values[::-1]
+            # (equal values share a bucket: the first match from the end is one of this bucket's)
+            last[bucket] = count - 1 - min(map(backwards.index, ordered[first:end]))
+    if len(last) < len(filled):
+        for position in range(count - 1, -1, -1):
+            bucket = bisect_left(boundaries, values[position])
+            if bucket not in last:
+                last[bucket] = position
+                if len(last) == len(filled):
+                    break
     return last
 
 
@@ -552,8 +573,9 @@ class FastHistogram:
                     counts[bisect_left(bounds, low)] += 1
                 else:
                     below = 0  # values in the buckets so far
-                    for index, bound in enumerate(bounds):
-                        upto = bisect_right(ordered, bound)
+                    # (from the smallest value's bucket: the buckets below it hold none)
+                    for index in range(bisect_left(bounds, low), len(bounds)):
+                        upto = bisect_right(ordered, bounds[index])
                         counts[index] += upto - below
                         below = upto
                         if below == count:

@@ -362,6 +362,27 @@ def test_each_buckets_last_position_is_that_of_a_scan_of_every_value(values, bou
     assert _last_in_each_bucket(values, sorted(values), boundaries) == every
 
 
+def test_each_buckets_last_position_when_a_rare_bucket_is_far_from_the_end():
+    import bisect
+
+    from otel_generate.fast_metrics import _last_in_each_bucket
+
+    boundaries = list(BUCKETS)
+    steady = [0.02 + 0.0001 * (i % 7) for i in range(127)]
+    cases = [
+        steady[:5] + [0.3] + steady[6:],  # one slow step early (a bucket of one value)
+        [0.3, 0.3] + steady[2:],  # two equal slow steps first
+        [0.6, 0] + steady[2:-1] + [0.0],  # a rare bucket of 0 and 0.0 (equal values, one bucket)
+        [0.07] * 64 + steady[64:],  # a regime change: the earlier bucket's last value far back
+        [0.07] * 64 + steady[64:126] + [0.3],  # both, and a rare bucket at the very end
+    ]
+    for values in cases:
+        every: dict = {}
+        for position, value in enumerate(values):
+            every[bisect.bisect_left(boundaries, value)] = position
+        assert _last_in_each_bucket(values, sorted(values), boundaries) == every, values
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     values=st.lists(
