@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import inspect
 import time
+from itertools import compress, repeat
+from operator import is_
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from otel_generate._faults import Fault, log_fault_once
@@ -373,6 +375,9 @@ def fast_eligible(attributes: Dict[str, Any]) -> bool:
 _SET_ATTRIBUTES_CODE = "8227d5eb6db752ed25d920470903028aa7275fda003023caa7a9aa3344504373"
 _SCALAR_TYPES = (bool, int, float)
 _ELEMENT_TYPES = frozenset((*_SCALAR_TYPES, str))  # what a list or tuple value may hold
+_SEQUENCE_TYPES = frozenset((list, tuple))
+_VALUE_TYPES = _ELEMENT_TYPES | _SEQUENCE_TYPES  # what a value may be
+_KEY_TYPES = frozenset((str,))
 _attribute_classes: Dict[tuple, bool] = {}
 
 
@@ -416,30 +421,37 @@ def set_request_attributes(span: Any, attributes: Dict[str, Any]) -> bool:
     span's value limit), or a list or tuple of those; room for all of them under the span's
     attribute limit; the span not ended. Then the same keys, values and order result, under the
     same locks. Returns False, having changed nothing, where the caller must call
-    ``set_attributes`` itself (any other span, value or SDK)."""
+    ``set_attributes`` itself (any other span, value or SDK).
+
+    The types of the keys and values are checked in C (a request span has about 30 attributes);
+    only the list and tuple values, and the strings when the span limits their length, are looked
+    at one by one."""
     held = getattr(span, "_attributes", None)
     if not _sets_attributes_as_expected(type(span), type(held)):
         return False
     limit = held.max_value_len
-    cleaned = {}
-    for key, value in attributes.items():
-        kind = type(value)
-        if kind is str:
-            if limit is not None and len(value) > limit:
+    values = attributes.values()
+    kinds = set(map(type, values))
+    if not kinds <= _VALUE_TYPES or not set(map(type, attributes)) <= _KEY_TYPES or "" in attributes:
+        return False
+    if (
+        str in kinds
+        and limit is not None
+        and max(map(len, compress(values, map(is_, map(type, values), repeat(str))))) > limit
+    ):
+        return False
+    cleaned = attributes
+    if list in kinds or tuple in kinds:
+        cleaned = dict(attributes)
+        for key in compress(attributes, map(_SEQUENCE_TYPES.__contains__, map(type, values))):
+            value = attributes[key]
+            elements = set(map(type, value))  # (iterated in C: a request's 128 step latencies are floats)
+            if not elements <= _ELEMENT_TYPES:
                 return False
-        elif kind is list or kind is tuple:
-            kinds = set(map(type, value))  # (iterated in C: a request's 128 step latencies are floats)
-            if not kinds <= _ELEMENT_TYPES:
-                return False
-            if str in kinds and limit is not None:
+            if str in elements and limit is not None:
                 if any(len(element) > limit for element in value if type(element) is str):
                     return False
-            value = tuple(value)
-        elif kind not in _SCALAR_TYPES:
-            return False
-        if type(key) is not str or not key:
-            return False
-        cleaned[key] = value
+            cleaned[key] = tuple(value)
     with span._lock:
         if span._end_time is not None or held._immutable:
             return False
@@ -448,8 +460,11 @@ def set_request_attributes(span: Any, attributes: Dict[str, Any]) -> bool:
             return False
         with held._lock:
             stored = held._dict
-            for key, value in cleaned.items():
-                if key in stored:
-                    del stored[key]
-                stored[key] = value
+            if stored.keys().isdisjoint(cleaned):
+                stored.update(cleaned)  # (new keys: appended in order, as one by one)
+            else:
+                for key, value in cleaned.items():
+                    if key in stored:
+                        del stored[key]  # (a key set again moves to the end)
+                    stored[key] = value
     return True

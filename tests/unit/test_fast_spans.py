@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import enum
+
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -41,6 +43,14 @@ REQUEST_ATTRIBUTES = {
     "gen_ai.request.model": "a-much-longer-model-name",
     "generate.steps": 129,
 }
+
+
+class _Key(str):
+    pass
+
+
+class _Level(enum.IntEnum):
+    HIGH = 2
 
 
 def _two_spans(**limits):
@@ -87,6 +97,10 @@ def test_request_attributes_not_taken_where_cleaning_would_change_or_drop_someth
         ({}, {"": 1}),
         ({}, {3: 1}),
         ({}, {"k": b"bytes"}),
+        ({}, {_Key("k"): 1}),  # a str subclass as a key
+        ({}, {"k": _Level.HIGH}),  # an int subclass as a value
+        ({}, {"k": [1, _Level.HIGH]}),  # ... and as an element
+        ({"max_span_attribute_length": 5}, {"a": "short", "b": "longer", "c": 1}),  # one string too long
     ):
         public, fast = _two_spans(**limits)
         before = _state(fast)
