@@ -18,7 +18,9 @@ That uses SDK internals, so it is taken only when the result is the same as the 
 * the tracer is the SDK's own ``Tracer``, enabled, without the SDK's self-observability metrics;
 * every span processor is exactly the SDK's ``BatchSpanProcessor`` or ``SimpleSpanProcessor``,
   whose ``on_start`` and ``_on_ending`` do nothing (any other processor may do something there:
-  the public path is used);
+  the public path is used), under the SDK's ``SynchronousMultiSpanProcessor``; those hooks, and
+  the multi-processor's, are checked against their code, and for a replacement set on the object,
+  at every request (a hook patched after ``instrument()`` sends the step spans to the public path);
 * the span limits admit the step span's attributes (all numbers, at most
   :data:`MAX_FAST_ATTRIBUTES`): nothing would be dropped or truncated;
 * the sampler decides each span as ``start_span`` would: its own ``should_sample`` is called
@@ -27,6 +29,7 @@ That uses SDK internals, so it is taken only when the result is the same as the 
   decision for a child depends only on its parent and its trace id, the decision is taken once
   per parent and reused for its siblings.
 
+A span id is drawn for every step span, one the sampler drops too, as ``start_span`` draws it.
 Anything else, and any step span with non-numeric attributes (opt-in token ids), goes through
 the public API. The processors are checked again whenever the provider's list of processors
 changes (a processor added after ``instrument()``). A fault in building a span turns the fast
@@ -43,7 +46,7 @@ from operator import is_
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from otel_generate._faults import Fault, log_fault_once
-from otel_generate._sdk_code import code_digest, same_code
+from otel_generate._sdk_code import code_digest, same_body, same_code
 
 #: Step spans with at most this many attributes, all numbers or bools, may take the fast path.
 MAX_FAST_ATTRIBUTES = 8
@@ -201,7 +204,10 @@ class FastStepSpans:
             return begin
         try:
             # what ending a sampled span, and a recording one that is not, calls (read once a call)
-            ends_sampled, ends_unsampled = _end_calls(self._checked)
+            calls = _end_calls(self._processor, self._checked)
+            if calls is None:  # a hook the fast path does not call is not the known code now
+                return begin
+            ends_sampled, ends_unsampled = calls
             resource = self._tracer.resource
             if resource is not self._resource:  # (the provider's resource changed: a forked child's)
                 self._resource = self._template["_resource"] = resource
@@ -245,8 +251,8 @@ class FastStepSpans:
                     trace_state = sampling.trace_state if sampling.trace_state is not None else _DEFAULT_TRACE_STATE
                     valid_trace = 0 < trace_id <= _TRACE_ID_MAX
                     on_ends = ends_sampled if flags.sampled else ends_unsampled
+                span_id = new_span_id()  # (start_span draws one for a span that is not recording too)
                 if recording:  # (a non-recording span: nothing reaches the processors)
-                    span_id = new_span_id()
                     # SpanContext(trace_id, span_id, False, flags, trace_state) without its __new__'s
                     # call: the same tuple (the trace id is the parent's, the span id the generator's)
                     context = new_tuple(
@@ -278,14 +284,73 @@ class FastStepSpans:
 
 
 def _eligible_processors(processor: Any) -> bool:
-    """The SDK's multi-processor holding only the SDK's batch and simple processors (whose
-    ``on_start`` and ``_on_ending`` do nothing)."""
+    """The SDK's multi-processor holding only the SDK's batch and simple processors, whose
+    ``on_start`` and ``_on_ending`` do nothing (:func:`_hooks_known`)."""
     from opentelemetry.sdk.trace import SynchronousMultiSpanProcessor
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-    if type(processor) is not SynchronousMultiSpanProcessor:
+    if type(processor) is not SynchronousMultiSpanProcessor or not _hooks_known(processor, _MULTI_HOOKS):
         return False
-    return all(type(p) in (BatchSpanProcessor, SimpleSpanProcessor) for p in processor._span_processors)
+    return all(
+        type(p) in (BatchSpanProcessor, SimpleSpanProcessor) and _hooks_known(p, _NO_HOOKS)
+        for p in processor._span_processors
+    )
+
+
+#: The hooks of the SDK's ``SynchronousMultiSpanProcessor`` (opentelemetry-sdk 1.45) that a span's
+#: start and end run: each calls its processors' hook in order. The fast path calls the processors'
+#: ``on_end`` itself (:func:`_end_calls`) and their ``on_start`` and ``_on_ending`` not at all.
+_MULTI_HOOKS = {
+    "on_start": """
+def on_start(self, span, parent_context=None):
+    for sp in self._span_processors:
+        sp.on_start(span, parent_context=parent_context)
+""",
+    "_on_ending": """
+def _on_ending(self, span):
+    for sp in self._span_processors:
+        sp._on_ending(span)
+""",
+    "on_end": """
+def on_end(self, span):
+    for sp in self._span_processors:
+        sp.on_end(span)
+""",
+}
+#: ``on_start`` and ``_on_ending`` of the SDK's batch and simple processors: they do nothing.
+_NO_HOOKS = {
+    "on_start": "def on_start(self, span, parent_context=None):\n    pass\n",
+    "_on_ending": "def _on_ending(self, span):\n    pass\n",
+}
+#: hook functions checked against :data:`_MULTI_HOOKS` or :data:`_NO_HOOKS`: (function, name) -> known
+_checked_hooks: Dict[Tuple[Any, str], bool] = {}
+
+
+def _hooks_known(processor: Any, hooks: Dict[str, str]) -> bool:
+    """Whether each of ``hooks`` (name -> the code it runs) is, on ``processor``, a plain function
+    of its class (not a wrapper, not set on the object itself) that runs that code (decorators and
+    annotations aside; a hook the class does not have is never called either). Read once per
+    function object: a patch of the class is checked when it is made."""
+    own = getattr(processor, "__dict__", None) or {}
+    for name, source in hooks.items():
+        if name in own:  # (set on the object itself: it is what a span's start or end calls)
+            return False
+        function = getattr(type(processor), name, None)
+        if function is None:
+            continue
+        if not inspect.isfunction(function):  # (a wrapper object, perhaps not even hashable)
+            return False
+        known = _checked_hooks.get((function, name))
+        if known is None:
+            try:
+                known = not hasattr(function, "__wrapped__") and same_body(function, source)
+            except Exception:  # no source, another layout: never relied on
+                known = False
+            if len(_checked_hooks) < 32:
+                _checked_hooks[(function, name)] = known
+        if not known:
+            return False
+    return True
 
 
 #: ``BatchSpanProcessor.on_end`` (as in opentelemetry-sdk 1.45): for a sampled span it calls its
@@ -319,15 +384,21 @@ def _batch_on_end_known(processor_type: type) -> bool:
     return known
 
 
-def _end_calls(processors: Sequence[Any]) -> Tuple[Tuple[Any, ...], Tuple[Any, ...]]:
+def _end_calls(multi: Any, processors: Sequence[Any]) -> Optional[Tuple[Tuple[Any, ...], Tuple[Any, ...]]]:
     """``(for a sampled span, for a recording span that is not sampled)``: what the
-    multi-processor's ``on_end`` calls, one call per processor, in order. A ``BatchSpanProcessor``
-    whose ``on_end`` is :data:`_BATCH_ON_END` (a step span's context is a non-empty tuple), not
-    replaced on the object itself, gives its batch processor's ``emit`` for a sampled span and
-    nothing for another; every other processor its ``on_end`` for both."""
+    multi-processor ``multi``'s ``on_end`` calls, one call per processor of ``processors`` (its
+    processors), in order; ``None`` where a hook the fast path repeats or leaves out is no longer
+    the known code (:func:`_hooks_known`: patched since ``instrument()``). A
+    ``BatchSpanProcessor`` whose ``on_end`` is :data:`_BATCH_ON_END` (a step span's context is a
+    non-empty tuple), not replaced on the object itself, gives its batch processor's ``emit`` for a
+    sampled span and nothing for another; every other processor its ``on_end`` for both."""
+    if not _hooks_known(multi, _MULTI_HOOKS):
+        return None
     sampled: List[Any] = []
     unsampled: List[Any] = []
     for processor in processors:
+        if not _hooks_known(processor, _NO_HOOKS):
+            return None
         batch = getattr(processor, "_batch_processor", None)
         own = getattr(processor, "__dict__", None)
         # (an on_end set on the processor object itself is what the multi-processor calls)

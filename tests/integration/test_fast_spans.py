@@ -8,6 +8,7 @@ import pytest
 from opentelemetry.sdk.trace import SpanLimits
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Decision, ParentBased, Sampler, SamplingResult
 
 from otel_generate import GenerateInstrumentor
@@ -109,17 +110,30 @@ def test_a_custom_sampler_decides_every_step_span(gpt2):
         def get_description(self):
             return "NoDecodeSpans"
 
-    exporters = []
+    class CountingIds(RandomIdGenerator):
+        def __init__(self):
+            self.span_ids = 0
+
+        def generate_span_id(self):
+            self.span_ids += 1
+            return super().generate_span_id()
+
+    exporters, drawn = [], []
     for fast in (True, False):
-        exporter = InMemorySpanExporter()
+        exporter, ids = InMemorySpanExporter(), CountingIds()
         assert run(
             provider_with(
-                SimpleSpanProcessor(exporter), sampler=ParentBased(ALWAYS_ON, local_parent_sampled=NoDecodeSpans())
+                SimpleSpanProcessor(exporter),
+                sampler=ParentBased(ALWAYS_ON, local_parent_sampled=NoDecodeSpans()),
+                id_generator=ids,
             ),
             gpt2,
             fast,
         )
         exporters.append(exporter)
+        drawn.append(ids.span_ids)
+    # a span id is drawn for every span, the dropped decode steps' too, as start_span draws them
+    assert drawn == [1 + 6, 1 + 6]
     for exporter in exporters:
         (request,) = request_spans(exporter)
         (prefill,) = step_spans(exporter, request)  # the decode steps were dropped by the sampler

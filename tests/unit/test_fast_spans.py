@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 
+import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -130,14 +131,17 @@ def test_request_attributes_not_taken_for_another_span_or_attribute_class():
 # --- a request's step spans in one call (FastStepSpans.emit_many) --------------------------------
 
 
-def _steps_through(processor, count=3, **kwargs):
+def _steps_through(processor, count=3, after_set_up=None, **kwargs):
     """``count`` step spans under one request span, built by ``emit_many``; returns what it
-    returned, the request span and the tracer's fast path."""
+    returned, the request span and the tracer's fast path. ``after_set_up(tracer)`` runs once the
+    fast path was found usable, before the request."""
     from opentelemetry import trace
 
     tracer = provider_with(processor).get_tracer("t")
     fast = FastStepSpans.for_tracer(tracer)
     assert fast is not None and fast.usable()
+    if after_set_up is not None:
+        after_set_up(tracer)
     request = tracer.start_span("request")
     context, parent = trace.set_span_in_context(request), request.get_span_context()
     names = ["prefill"] + ["decode"] * (count - 1)
@@ -190,7 +194,7 @@ def test_a_batch_processor_is_ended_through_its_batch_processor_only_for_sampled
     from otel_generate.fast_spans import _end_calls
 
     batch, simple = BatchSpanProcessor(InMemorySpanExporter()), SimpleSpanProcessor(InMemorySpanExporter())
-    sampled, unsampled = _end_calls((batch, simple))
+    sampled, unsampled = _end_calls(provider_with(batch, simple)._active_span_processor, (batch, simple))
     # (what BatchSpanProcessor.on_end calls for a sampled span; for another it returns at once)
     assert sampled == (batch._batch_processor.emit, simple.on_end) and unsampled == (simple.on_end,)
     batch.shutdown()
@@ -232,6 +236,49 @@ def test_an_on_end_set_on_a_batch_processor_object_is_called_not_gone_around():
     done, _, _ = _steps_through(processor)
     processor.force_flush()
     assert done == 3 and seen == ["prefill", "decode", "decode"] and len(exporter.get_finished_spans()) == 3
+
+
+@pytest.mark.parametrize(
+    "where, hook",
+    [
+        ("processor object", "on_start"),
+        ("processor object", "_on_ending"),
+        ("processor class", "on_start"),
+        ("processor class", "_on_ending"),
+        ("multi-processor object", "on_start"),
+        ("multi-processor object", "_on_ending"),
+        ("multi-processor object", "on_end"),
+        ("multi-processor class", "on_start"),
+        ("multi-processor class", "on_end"),
+    ],
+)
+def test_a_span_hook_patched_after_set_up_sends_the_step_spans_to_the_public_path(monkeypatch, where, hook):
+    import functools
+
+    from opentelemetry.sdk.trace import SynchronousMultiSpanProcessor
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    exporter = InMemorySpanExporter()
+    processor = SimpleSpanProcessor(exporter)
+
+    def patch(tracer):  # another tool's hook, installed once instrument() had checked the processors
+        if where.endswith("object"):
+            target = processor if where == "processor object" else tracer.span_processor
+            original = getattr(target, hook)
+            setattr(target, hook, lambda *args, **kwargs: original(*args, **kwargs))
+            return
+        owner = SimpleSpanProcessor if where == "processor class" else SynchronousMultiSpanProcessor
+        original = getattr(owner, hook)
+
+        @functools.wraps(original)
+        def wrapper(self, *args, **kwargs):  # its source reads as the original's
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(owner, hook, wrapper)
+
+    done, _, fast = _steps_through(processor, after_set_up=patch)
+    assert done == 0 and not fast.broken  # none taken: the caller builds them through the public API
+    assert exporter.get_finished_spans() == ()
 
 
 def test_a_processor_raising_for_one_step_span_is_logged_once_and_the_others_go_on(monkeypatch, caplog):
