@@ -39,10 +39,10 @@ to the caller as the public path's would.
 
 from __future__ import annotations
 
-import inspect
 import time
 from itertools import compress, repeat
 from operator import is_
+from types import FunctionType
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from otel_generate._faults import Fault, log_fault_once
@@ -85,7 +85,6 @@ class FastStepSpans:
         self._resource = tracer.resource
         self._processor = tracer.span_processor
         self._checked = tracer.span_processor._span_processors  # the processors found eligible
-        self._new_span_id = tracer.id_generator.generate_span_id
         self._info = getattr(tracer, "instrumentation_info", None)
         self._scope = getattr(tracer, "_instrumentation_scope", None)
         self._per_parent = _decides_per_parent(self._sampler)
@@ -208,6 +207,10 @@ class FastStepSpans:
             if calls is None:  # a hook the fast path does not call is not the known code now
                 return begin
             ends_sampled, ends_unsampled = calls
+            tracer = self._tracer
+            if callable(getattr(tracer, "_is_enabled", None)) and not tracer._is_enabled():
+                return begin  # (disabled since instrument(): start_span's own answer)
+            new_span_id = tracer.id_generator.generate_span_id  # (the generator in place now)
             resource = self._tracer.resource
             if resource is not self._resource:  # (the provider's resource changed: a forked child's)
                 self._resource = self._template["_resource"] = resource
@@ -216,7 +219,7 @@ class FastStepSpans:
             log_fault_once(Fault.FAST_STEP_SPANS, fault)
             return begin
         on_ends: Sequence[Any] = ()
-        new_span_id, new_tuple, span_context = self._new_span_id, self._new_tuple, self._span_context
+        new_tuple, span_context = self._new_tuple, self._span_context
         new_readable, readable, template = self._new_readable, self._readable, self._template
         per_parent = self._per_parent
         last_parent: Any = None
@@ -322,15 +325,41 @@ _NO_HOOKS = {
     "on_start": "def on_start(self, span, parent_context=None):\n    pass\n",
     "_on_ending": "def _on_ending(self, span):\n    pass\n",
 }
-#: hook functions checked against :data:`_MULTI_HOOKS` or :data:`_NO_HOOKS`: (function, name) -> known
-_checked_hooks: Dict[Tuple[Any, str], bool] = {}
+
+
+def _plain_function_known(
+    cache: Dict[Any, Tuple[Any, bool]], key: Any, function: Any, check: Any, known_code: str
+) -> bool:
+    """``check(function, known_code)`` (:func:`~otel_generate._sdk_code.same_code` or ``same_body``)
+    for a plain Python function that wraps nothing (not a wrapper: a ``functools.wraps`` or
+    ``wrapt`` wrapper's source reads as the function it wraps), remembered in ``cache`` under
+    ``key`` with the function itself: an entry is used only for that very object (a ``wrapt``
+    wrapper compares and hashes equal to the function it wraps, and another function may later
+    have its address). A ``check`` that raises (no source, another layout) is False."""
+    if type(function) is not FunctionType:
+        return False
+    entry = cache.get(key)
+    if entry is not None and entry[0] is function:
+        return entry[1]
+    try:
+        known = not hasattr(function, "__wrapped__") and bool(check(function, known_code))
+    except Exception:  # no source, another layout: never relied on
+        known = False
+    if key in cache or len(cache) < 32:  # (an entry's key taken over by a new function: replaced)
+        cache[key] = (function, known)
+    return known
+
+
+#: hook functions checked against :data:`_MULTI_HOOKS` or :data:`_NO_HOOKS`:
+#: (id, name) -> (the function, whether it is the known code)
+_checked_hooks: Dict[Tuple[int, str], Tuple[Any, bool]] = {}
 
 
 def _hooks_known(processor: Any, hooks: Dict[str, str]) -> bool:
     """Whether each of ``hooks`` (name -> the code it runs) is, on ``processor``, a plain function
     of its class (not a wrapper, not set on the object itself) that runs that code (decorators and
     annotations aside; a hook the class does not have is never called either). Read once per
-    function object: a patch of the class is checked when it is made."""
+    function object (:func:`_plain_function_known`): a patch of the class is checked when it is made."""
     own = getattr(processor, "__dict__", None) or {}
     for name, source in hooks.items():
         if name in own:  # (set on the object itself: it is what a span's start or end calls)
@@ -338,17 +367,7 @@ def _hooks_known(processor: Any, hooks: Dict[str, str]) -> bool:
         function = getattr(type(processor), name, None)
         if function is None:
             continue
-        if not inspect.isfunction(function):  # (a wrapper object, perhaps not even hashable)
-            return False
-        known = _checked_hooks.get((function, name))
-        if known is None:
-            try:
-                known = not hasattr(function, "__wrapped__") and same_body(function, source)
-            except Exception:  # no source, another layout: never relied on
-                known = False
-            if len(_checked_hooks) < 32:
-                _checked_hooks[(function, name)] = known
-        if not known:
+        if not _plain_function_known(_checked_hooks, (id(function), name), function, same_body, source):
             return False
     return True
 
@@ -362,8 +381,8 @@ def on_end(self, span: ReadableSpan) -> None:
         return
     self._batch_processor.emit(span)
 """
-#: ``BatchSpanProcessor.on_end`` function objects checked, and whether each is the known code
-_checked_on_ends: Dict[Any, bool] = {}
+#: ``BatchSpanProcessor.on_end`` function objects checked: id -> (the function, whether it is the known code)
+_checked_on_ends: Dict[Any, Tuple[Any, bool]] = {}
 
 
 def _batch_on_end_known(processor_type: type) -> bool:
@@ -371,17 +390,7 @@ def _batch_on_end_known(processor_type: type) -> bool:
     read as the function's) that runs exactly :data:`_BATCH_ON_END`; read once per function
     object, so a patch of it is checked when it is made."""
     function = getattr(processor_type, "on_end", None)
-    if not inspect.isfunction(function):  # (a wrapper object, perhaps not even hashable: its own on_end)
-        return False
-    known = _checked_on_ends.get(function)
-    if known is None:
-        try:
-            known = not hasattr(function, "__wrapped__") and same_code(function, _BATCH_ON_END)
-        except Exception:  # no source, another layout: never relied on
-            known = False
-        if len(_checked_on_ends) < 16:
-            _checked_on_ends[function] = known
-    return known
+    return _plain_function_known(_checked_on_ends, id(function), function, same_code, _BATCH_ON_END)
 
 
 def _end_calls(multi: Any, processors: Sequence[Any]) -> Optional[Tuple[Tuple[Any, ...], Tuple[Any, ...]]]:
@@ -449,39 +458,56 @@ _ELEMENT_TYPES = frozenset((*_SCALAR_TYPES, str))  # what a list or tuple value 
 _SEQUENCE_TYPES = frozenset((list, tuple))
 _VALUE_TYPES = _ELEMENT_TYPES | _SEQUENCE_TYPES  # what a value may be
 _KEY_TYPES = frozenset((str,))
-_attribute_classes: Dict[tuple, bool] = {}
+#: the functions a span's ``set_attributes`` runs (:func:`_attribute_functions`) found to be the known
+#: code: their ids -> (the functions, whether they are)
+_attribute_classes: Dict[tuple, Tuple[tuple, bool]] = {}
+
+
+#: the SDK's ``Span`` class, ``BoundedAttributes`` class and ``opentelemetry.attributes`` module,
+#: imported on first use (not when this module is)
+_attribute_owners: Any = None
 
 
 def _attribute_functions(span_type: type, attributes_type: type) -> tuple:
-    import opentelemetry.attributes as attributes_module
-
     return (
         span_type.set_attributes,
         attributes_type._set_items,
         attributes_type._setitem_locked,
         attributes_type._raise_if_immutable,
-        attributes_module._clean_attribute_value,
+        _attribute_owners[2]._clean_attribute_value,
     )
 
 
 def _sets_attributes_as_expected(span_type: type, attributes_type: type) -> bool:
     """Whether ``set_attributes`` on a ``span_type`` span holding ``attributes_type`` runs the code
-    :data:`_SET_ATTRIBUTES_CODE` names (checked once per pair of classes)."""
-    key = (span_type, attributes_type)
-    known = _attribute_classes.get(key)
-    if known is None:
-        try:
+    :data:`_SET_ATTRIBUTES_CODE` names: plain functions, none a wrapper (read at every call; their
+    code once per set of function objects, so a patch of any of them is checked when it is made)."""
+    global _attribute_owners
+    try:
+        if _attribute_owners is None:
             import opentelemetry.attributes as attributes_module
             from opentelemetry.sdk.trace import Span
 
-            known = (
-                issubclass(span_type, Span)
-                and attributes_type is attributes_module.BoundedAttributes
-                and code_digest(_attribute_functions(span_type, attributes_type)) == _SET_ATTRIBUTES_CODE
-            )
-        except Exception:  # no source, another layout: never relied on
-            known = False
-        _attribute_classes[key] = known
+            _attribute_owners = (Span, attributes_module.BoundedAttributes, attributes_module)
+        span_class, attributes_class, _ = _attribute_owners
+        if not issubclass(span_type, span_class) or attributes_type is not attributes_class:
+            return False
+        functions = _attribute_functions(span_type, attributes_type)
+    except Exception:  # another layout: never relied on
+        return False
+    key = tuple(map(id, functions))
+    entry = _attribute_classes.get(key)
+    if entry is not None and all(map(is_, entry[0], functions)):
+        return entry[1]
+    try:
+        known = (
+            all(type(function) is FunctionType and not hasattr(function, "__wrapped__") for function in functions)
+            and code_digest(functions) == _SET_ATTRIBUTES_CODE
+        )
+    except Exception:  # no source, another layout: never relied on
+        known = False
+    if key in _attribute_classes or len(_attribute_classes) < 32:
+        _attribute_classes[key] = (functions, known)
     return known
 
 
@@ -498,8 +524,8 @@ def set_request_attributes(span: Any, attributes: Dict[str, Any]) -> bool:
     only the list and tuple values, and the strings when the span limits their length, are looked
     at one by one."""
     held = getattr(span, "_attributes", None)
-    if not _sets_attributes_as_expected(type(span), type(held)):
-        return False
+    if not _sets_attributes_as_expected(type(span), type(held)) or "set_attributes" in vars(span):
+        return False  # (one set on the span object itself is what the caller's set_attributes calls)
     limit = held.max_value_len
     values = attributes.values()
     kinds = set(map(type, values))

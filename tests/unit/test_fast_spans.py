@@ -5,8 +5,9 @@ from __future__ import annotations
 import enum
 
 import pytest
+import wrapt
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from otel_generate.fast_spans import FastStepSpans
@@ -113,6 +114,48 @@ def test_request_attributes_not_taken_where_cleaning_would_change_or_drop_someth
     public, fast = _two_spans()
     fast.end()
     assert not set_request_attributes(fast, REQUEST_ATTRIBUTES)  # ended: set_attributes warns and drops
+
+
+@pytest.mark.parametrize("way", ["functools.wraps", "wrapt"])
+@pytest.mark.parametrize("owner, name", [("Span", "set_attributes"), ("BoundedAttributes", "_set_items")])
+def test_request_attributes_not_taken_once_what_set_attributes_runs_is_patched(monkeypatch, way, owner, name):
+    import functools
+
+    import opentelemetry.attributes as attributes_module
+    from opentelemetry.sdk.trace import Span
+
+    from otel_generate.fast_spans import set_request_attributes
+
+    public, fast = _two_spans()
+    assert set_request_attributes(fast, {"a": 1})  # the known code: taken
+    owner = {"Span": Span, "BoundedAttributes": attributes_module.BoundedAttributes}[owner]
+    original, calls = getattr(owner, name), []
+    if way == "wrapt":
+        replacement = wrapt.FunctionWrapper(original, lambda f, i, a, k: calls.append(1) or f(*a, **k))
+    else:
+
+        @functools.wraps(original)
+        def replacement(*args, **kwargs):  # another tool's (a redaction's) wrapper
+            calls.append(1)
+            return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, replacement)
+    public, fast = _two_spans()
+    before = _state(fast)
+    del calls[:]  # (starting a span with attributes runs _set_items too)
+    assert not set_request_attributes(fast, REQUEST_ATTRIBUTES)  # the caller's set_attributes then runs it
+    assert _state(fast) == before and not calls  # nothing written, nothing run
+    fast.set_attributes(REQUEST_ATTRIBUTES)
+    assert calls  # the patch runs on the public path
+
+
+def test_request_attributes_not_taken_where_set_attributes_is_set_on_the_span():
+    from otel_generate.fast_spans import set_request_attributes
+
+    public, fast = _two_spans()
+    before = _state(fast)
+    fast.set_attributes = lambda attributes: None  # what the caller's set_attributes calls
+    assert not set_request_attributes(fast, REQUEST_ATTRIBUTES) and _state(fast) == before
 
 
 def test_request_attributes_not_taken_for_another_span_or_attribute_class():
@@ -250,6 +293,9 @@ def test_an_on_end_set_on_a_batch_processor_object_is_called_not_gone_around():
         ("multi-processor object", "on_end"),
         ("multi-processor class", "on_start"),
         ("multi-processor class", "on_end"),
+        ("processor class, wrapt", "on_start"),
+        ("processor class, wrapt", "_on_ending"),
+        ("multi-processor class, wrapt", "on_end"),
     ],
 )
 def test_a_span_hook_patched_after_set_up_sends_the_step_spans_to_the_public_path(monkeypatch, where, hook):
@@ -267,8 +313,11 @@ def test_a_span_hook_patched_after_set_up_sends_the_step_spans_to_the_public_pat
             original = getattr(target, hook)
             setattr(target, hook, lambda *args, **kwargs: original(*args, **kwargs))
             return
-        owner = SimpleSpanProcessor if where == "processor class" else SynchronousMultiSpanProcessor
+        owner = SimpleSpanProcessor if where.startswith("processor class") else SynchronousMultiSpanProcessor
         original = getattr(owner, hook)
+        if where.endswith("wrapt"):  # (the wrapper compares and hashes equal to the function it wraps)
+            monkeypatch.setattr(owner, hook, wrapt.FunctionWrapper(original, lambda f, i, a, k: f(*a, **k)))
+            return
 
         @functools.wraps(original)
         def wrapper(self, *args, **kwargs):  # its source reads as the original's
@@ -279,6 +328,50 @@ def test_a_span_hook_patched_after_set_up_sends_the_step_spans_to_the_public_pat
     done, _, fast = _steps_through(processor, after_set_up=patch)
     assert done == 0 and not fast.broken  # none taken: the caller builds them through the public API
     assert exporter.get_finished_spans() == ()
+
+
+def test_a_batch_processor_on_end_wrapped_by_wrapt_after_a_request_is_called_not_gone_around(monkeypatch):
+    exporter = InMemorySpanExporter()
+    processor = BatchSpanProcessor(exporter)
+    seen = []
+    done, _, fast = _steps_through(processor)  # its on_end was found to be the known code
+    assert done == 3
+
+    def counting(wrapped, instance, args, kwargs):
+        seen.append(args[0].name)
+        return wrapped(*args, **kwargs)
+
+    monkeypatch.setattr(BatchSpanProcessor, "on_end", wrapt.FunctionWrapper(BatchSpanProcessor.on_end, counting))
+    done, _, _ = _steps_through(processor)
+    processor.force_flush()
+    assert done == 3 and seen == ["prefill", "decode", "decode"] and len(exporter.get_finished_spans()) == 6
+
+
+def test_the_id_generator_and_the_tracer_are_read_at_every_request():
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+    class CountingIds(RandomIdGenerator):
+        def __init__(self):
+            self.span_ids = 0
+
+        def generate_span_id(self):
+            self.span_ids += 1
+            return super().generate_span_id()
+
+    exporter = InMemorySpanExporter()
+    ids = CountingIds()
+
+    def replace_generator(tracer):  # after instrument(): what start_span then draws from
+        tracer.id_generator = ids
+
+    done, _, _ = _steps_through(SimpleSpanProcessor(exporter), after_set_up=replace_generator)
+    assert done == 3 and ids.span_ids == 1 + 3  # the request span's and the step spans'
+
+    def disable(tracer):
+        tracer._is_enabled = lambda: False  # (what a tracer configurator's rule does: start_span gives no span)
+
+    done, _, fast = _steps_through(SimpleSpanProcessor(exporter), after_set_up=disable)
+    assert done == 0 and not fast.broken
 
 
 def test_a_processor_raising_for_one_step_span_is_logged_once_and_the_others_go_on(monkeypatch, caplog):
