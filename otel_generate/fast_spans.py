@@ -460,7 +460,7 @@ _VALUE_TYPES = _ELEMENT_TYPES | _SEQUENCE_TYPES  # what a value may be
 _KEY_TYPES = frozenset((str,))
 #: the functions a span's ``set_attributes`` runs (:func:`_attribute_functions`) found to be the known
 #: code: their ids -> (the functions, whether they are)
-_attribute_classes: Dict[tuple, Tuple[tuple, bool]] = {}
+_checked_attribute_functions: Dict[tuple, Tuple[tuple, bool]] = {}
 
 
 #: the SDK's ``Span`` class, ``BoundedAttributes`` class and ``opentelemetry.attributes`` module,
@@ -468,13 +468,15 @@ _attribute_classes: Dict[tuple, Tuple[tuple, bool]] = {}
 _attribute_owners: Any = None
 
 
-def _attribute_functions(span_type: type, attributes_type: type) -> tuple:
+def _attribute_functions(span_type: type, attributes_type: type, attributes_module: Any) -> tuple:
+    """The functions ``set_attributes`` runs on a ``span_type`` span holding ``attributes_type``
+    (``attributes_module``: ``opentelemetry.attributes``), as :data:`_SET_ATTRIBUTES_CODE` lists them."""
     return (
         span_type.set_attributes,
         attributes_type._set_items,
         attributes_type._setitem_locked,
         attributes_type._raise_if_immutable,
-        _attribute_owners[2]._clean_attribute_value,
+        attributes_module._clean_attribute_value,
     )
 
 
@@ -489,14 +491,14 @@ def _sets_attributes_as_expected(span_type: type, attributes_type: type) -> bool
             from opentelemetry.sdk.trace import Span
 
             _attribute_owners = (Span, attributes_module.BoundedAttributes, attributes_module)
-        span_class, attributes_class, _ = _attribute_owners
+        span_class, attributes_class, attributes_module = _attribute_owners
         if not issubclass(span_type, span_class) or attributes_type is not attributes_class:
             return False
-        functions = _attribute_functions(span_type, attributes_type)
+        functions = _attribute_functions(span_type, attributes_type, attributes_module)
     except Exception:  # another layout: never relied on
         return False
     key = tuple(map(id, functions))
-    entry = _attribute_classes.get(key)
+    entry = _checked_attribute_functions.get(key)
     if entry is not None and all(map(is_, entry[0], functions)):
         return entry[1]
     try:
@@ -506,8 +508,8 @@ def _sets_attributes_as_expected(span_type: type, attributes_type: type) -> bool
         )
     except Exception:  # no source, another layout: never relied on
         known = False
-    if key in _attribute_classes or len(_attribute_classes) < 32:
-        _attribute_classes[key] = (functions, known)
+    if key in _checked_attribute_functions or len(_checked_attribute_functions) < 32:
+        _checked_attribute_functions[key] = (functions, known)
     return known
 
 
