@@ -20,10 +20,19 @@
 
 from __future__ import annotations
 
+import operator
 import sys
 from typing import Any, Optional
 
 _CACHE_PARTS = ("layers", "keys", "values", "key_cache", "value_cache", "self_attention_cache", "cross_attention_cache")
+_PART_NAMES = frozenset(_CACHE_PARTS)
+_LAYER_PARTS = frozenset(("keys", "values"))
+#: every name :func:`cache_bytes` reads from an object that is not a tensor
+_READ_NAMES = _CACHE_PARTS + ("element_size", "numel", "__getattr__")
+_MISSING = object()
+#: class -> whether ``getattr(instance, name, None)`` of every name in :data:`_READ_NAMES` is the
+#: instance dictionary's entry (see :func:`_names_in_dict`)
+_reads_dict: dict = {}
 
 
 def cuda_device(device: Optional[str]) -> Optional[str]:
@@ -53,6 +62,9 @@ def cache_bytes(cache: Any) -> Optional[int]:
     """Bytes of every tensor a key/value cache holds (``DynamicCache`` and its layers in
     transformers 5.x, ``key_cache``/``value_cache`` lists in 4.x, encoder-decoder caches, legacy
     tuples), each tensor counted once; ``None`` when nothing in it is a tensor."""
+    total = _layered_cache_bytes(cache)
+    if total is not None:
+        return total
     total = 0
     found = False
     seen = set()
@@ -81,6 +93,68 @@ def cache_bytes(cache: Any) -> Optional[int]:
                 if part is not None and not callable(part):
                     pending.append(part)
     return total if found else None
+
+
+def _names_in_dict(cls: type) -> bool:
+    """Whether the class defines none of :data:`_READ_NAMES` (no ``__getattr__`` either), keeps its
+    instances' attributes in the ``__dict__`` Python gives it and looks them up with
+    ``object.__getattribute__``, and is not a list or tuple: then an instance's dictionary answers
+    every ``getattr`` of those names that :func:`cache_bytes` makes. Read once per class."""
+    known = _reads_dict.get(cls)
+    if known is None:
+        try:
+            import inspect
+            import types
+
+            known = (
+                cls.__getattribute__ is object.__getattribute__
+                and not issubclass(cls, (list, tuple))
+                and isinstance(inspect.getattr_static(cls, "__dict__", None), types.GetSetDescriptorType)
+                and all(inspect.getattr_static(cls, name, _MISSING) is _MISSING for name in _READ_NAMES)
+            )
+        except Exception:
+            known = False
+        if len(_reads_dict) < 64:
+            _reads_dict[cls] = known
+    return known
+
+
+def _layered_cache_bytes(cache: Any) -> Optional[int]:
+    """:func:`cache_bytes` of the common shape, without its walk (whose cost grows with the
+    layers): an object whose only part is a list ``layers`` (a ``DynamicCache``), each layer an
+    object whose only parts are ``keys`` and ``values`` (plain tensors, or ``None``), every class
+    read from its instances' dictionaries (:func:`_names_in_dict`), no tensor-like object among
+    them. ``None`` for any other shape (then the walk counts it) or no tensor at all."""
+    if not _names_in_dict(type(cache)):
+        return None
+    state = vars(cache)
+    layers = state.get("layers")
+    if type(layers) is not list or not layers or _PART_NAMES.intersection(state) != {"layers"}:
+        return None
+    if "element_size" in state and "numel" in state:
+        return None
+    torch = sys.modules.get("torch")
+    if torch is None or not all(map(_names_in_dict, set(map(type, layers)))):
+        return None
+    tensors = []
+    for layer in layers:
+        parts = vars(layer)
+        if not _LAYER_PARTS.issuperset(_PART_NAMES.intersection(parts)) or (
+            "element_size" in parts and "numel" in parts
+        ):
+            return None
+        tensors.append(parts.get("keys"))
+        tensors.append(parts.get("values"))
+    unique = {id(tensor): tensor for tensor in tensors if tensor is not None}  # (each counted once)
+    if not unique or set(map(type, unique.values())) != {torch.Tensor}:
+        return None
+    try:
+        return sum(map(_NBYTES, unique.values()))
+    except RuntimeError:  # a sparse tensor has no nbytes: the walk counts its dense size
+        return None
+
+
+_NBYTES = operator.attrgetter("nbytes")
 
 
 def count_candidates(generator: Any, loop: Any) -> None:

@@ -277,6 +277,60 @@ def test_cache_bytes_of_tensors_views_parameters_and_duck_typed_ones():
     assert cache_bytes([[], None]) is None
 
 
+def test_cache_bytes_reads_plain_objects_from_their_dictionary_as_getattr_would():
+    """An object whose class defines none of the names read (a DynamicCache, its layers) is read
+    from its dictionary; a property, a ``__getattr__``, a callable part and an object holding
+    ``numel``/``element_size`` of its own are read as ``getattr`` reads them."""
+    from otel_generate import figures
+
+    a, b, c, d = (torch.zeros(n, dtype=torch.float32) for n in (1, 2, 3, 5))
+
+    class Layer:  # plain: keys and values in the instance dictionary
+        def __init__(self, keys, values):
+            self.keys, self.values, self.device = keys, values, "cpu"
+
+    class Cache:
+        def __init__(self, layers):
+            self.layers, self.key_cache = layers, len  # a callable part is skipped
+
+    class ByProperty:  # the class defines "keys": read through it
+        values = None
+
+        @property
+        def keys(self):
+            return d
+
+    class ByGetattr:
+        def __getattr__(self, name):
+            if name == "values":
+                return c
+            raise AttributeError(name)
+
+    class OwnSize:  # numel and element_size of its own: counted as a tensor-like object
+        def __init__(self):
+            self.numel, self.element_size, self.keys = (lambda: 4), (lambda: 2), a
+
+    class Layered:  # a DynamicCache's shape: counted without the walk, each tensor once
+        def __init__(self, layers):
+            self.layers, self.offloading = layers, False
+
+    layered = Layered([Layer(a, b), Layer(b, None), Layer(None, None)])
+    assert figures._layered_cache_bytes(layered) == (1 + 2) * 4 == figures.cache_bytes(layered)
+    layered.layers[1].value_cache = [c]  # another part in a layer: walked
+    assert figures._layered_cache_bytes(layered) is None and figures.cache_bytes(layered) == (1 + 2 + 3) * 4
+    assert figures._layered_cache_bytes(Layered([Layer(a, torch.nn.Parameter(d))])) is None  # not a plain tensor
+    assert figures.cache_bytes(Layered([Layer(a, torch.nn.Parameter(d))])) == (1 + 5) * 4
+    cache = Cache([Layer(a, b), Layer(b, None)])
+    assert figures._names_in_dict(Cache) and figures._names_in_dict(Layer)
+    assert not figures._names_in_dict(ByProperty) and not figures._names_in_dict(ByGetattr)
+    assert figures.cache_bytes(cache) == (1 + 2) * 4
+    assert figures.cache_bytes([cache, ByProperty(), ByGetattr()]) == (1 + 2 + 5 + 3) * 4
+    assert figures.cache_bytes(OwnSize()) == 8  # its own size; its keys are not walked
+    only_one = Layer(a, None)
+    only_one.numel = lambda: 100  # numel alone: not tensor-like, its parts are walked
+    assert figures.cache_bytes(only_one) == 4
+
+
 def test_peak_memory_on_cuda_is_read_after_a_reset(instrumented, span_exporter, gpt2, monkeypatch):
     """A faked CUDA device: the peak statistic is reset when the request starts and read when it ends."""
     from otel_generate import clock
