@@ -62,7 +62,10 @@ def cache_bytes(cache: Any) -> Optional[int]:
     """Bytes of every tensor a key/value cache holds (``DynamicCache`` and its layers in
     transformers 5.x, ``key_cache``/``value_cache`` lists in 4.x, encoder-decoder caches, legacy
     tuples), each tensor counted once; ``None`` when nothing in it is a tensor."""
-    total = _layered_cache_bytes(cache)
+    try:
+        total = _layered_cache_bytes(cache)
+    except Exception:  # (an object it did not foresee: the walk counts it)
+        total = None
     if total is not None:
         return total
     total = 0
@@ -99,7 +102,8 @@ def _names_in_dict(cls: type) -> bool:
     """Whether the class defines none of :data:`_READ_NAMES` (no ``__getattr__`` either), keeps its
     instances' attributes in the ``__dict__`` Python gives it and looks them up with
     ``object.__getattribute__``, and is not a list or tuple: then an instance's dictionary answers
-    every ``getattr`` of those names that :func:`cache_bytes` makes. Read once per class."""
+    every ``getattr`` of those names that :func:`cache_bytes` makes. Read once per class: a
+    property or ``__getattr__`` added to such a class later is not seen."""
     known = _reads_dict.get(cls)
     if known is None:
         try:
@@ -109,6 +113,7 @@ def _names_in_dict(cls: type) -> bool:
             known = (
                 cls.__getattribute__ is object.__getattribute__
                 and not issubclass(cls, (list, tuple))
+                and cls.__dictoffset__ != 0  # (instances have a dictionary: not None, object, __slots__)
                 and isinstance(inspect.getattr_static(cls, "__dict__", None), types.GetSetDescriptorType)
                 and all(inspect.getattr_static(cls, name, _MISSING) is _MISSING for name in _READ_NAMES)
             )
@@ -128,6 +133,8 @@ def _layered_cache_bytes(cache: Any) -> Optional[int]:
     if not _names_in_dict(type(cache)):
         return None
     state = vars(cache)
+    if type(state) is not dict:
+        return None
     layers = state.get("layers")
     if type(layers) is not list or not layers or _PART_NAMES.intersection(state) != {"layers"}:
         return None
@@ -139,8 +146,10 @@ def _layered_cache_bytes(cache: Any) -> Optional[int]:
     tensors = []
     for layer in layers:
         parts = vars(layer)
-        if not _LAYER_PARTS.issuperset(_PART_NAMES.intersection(parts)) or (
-            "element_size" in parts and "numel" in parts
+        if (
+            type(parts) is not dict
+            or not _LAYER_PARTS.issuperset(_PART_NAMES.intersection(parts))
+            or ("element_size" in parts and "numel" in parts)
         ):
             return None
         tensors.append(parts.get("keys"))

@@ -320,6 +320,17 @@ def test_cache_bytes_reads_plain_objects_from_their_dictionary_as_getattr_would(
     assert figures._layered_cache_bytes(layered) is None and figures.cache_bytes(layered) == (1 + 2 + 3) * 4
     assert figures._layered_cache_bytes(Layered([Layer(a, torch.nn.Parameter(d))])) is None  # not a plain tensor
     assert figures.cache_bytes(Layered([Layer(a, torch.nn.Parameter(d))])) == (1 + 5) * 4
+
+    class Slotted:
+        __slots__ = ("keys",)
+
+    slotted = Slotted()
+    slotted.keys = c
+    # no instance dictionary: walked, not read through vars() (the slotted layer's keys counted too)
+    for odd, expected in ((None, 1 + 2), (object(), 1 + 2), (slotted, 1 + 2 + 3)):
+        assert not figures._names_in_dict(type(odd))
+        assert figures.cache_bytes(Layered([odd, Layer(a, b)])) == expected * 4
+    assert figures.cache_bytes(None) is None and figures.cache_bytes(slotted) == 3 * 4
     cache = Cache([Layer(a, b), Layer(b, None)])
     assert figures._names_in_dict(Cache) and figures._names_in_dict(Layer)
     assert not figures._names_in_dict(ByProperty) and not figures._names_in_dict(ByGetattr)
