@@ -157,10 +157,8 @@ def _layered_cache_bytes(cache: Any) -> Optional[int]:
     unique = {id(tensor): tensor for tensor in tensors if tensor is not None}  # (each counted once)
     if not unique or set(map(type, unique.values())) != {torch.Tensor}:
         return None
-    try:
-        return sum(map(_NBYTES, unique.values()))
-    except RuntimeError:  # a sparse tensor has no nbytes: the walk counts its dense size
-        return None
+    # (a sparse tensor has no nbytes: the RuntimeError sends cache_bytes to the walk, which counts its dense size)
+    return sum(map(_NBYTES, unique.values()))
 
 
 _NBYTES = operator.attrgetter("nbytes")
