@@ -139,7 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--step-spans",
         choices=STEP_SPAN_POLICIES,
         default=None,
-        help="--compare: instrument(step_spans=...), which requests get step spans; default: the "
+        help="--compare, --continuous-batching: instrument(step_spans=...), which requests get step spans; "
+        "default: the "
         "instrumentation's own (OTEL_GENERATE_STEP_SPANS or all)",
     )
     parser.add_argument(
@@ -152,7 +153,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sampler",
         choices=SAMPLERS,
         default="always_on",
-        help="--compare: the instrumented side's trace sampler; always_off makes every request unsampled "
+        help="--compare, --continuous-batching: the instrumented side's trace sampler; always_off makes "
+        "every request unsampled "
         "(no span; its metrics are still recorded), to time what an unsampled request costs (default always_on)",
     )
     parser.add_argument(

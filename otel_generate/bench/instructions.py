@@ -490,7 +490,12 @@ def summary_text(result: Dict[str, Any]) -> str:
         f"  callgrind, difference of {result['calls_high']} and {result['calls_low']} calls; Ir of all threads; "
         f"exporter {result['exporter']}",
         f"  {'configuration':<22}{'per call':>14}{'per step':>12}{'added/call':>14}{'added':>9}{'added/step':>12}"
-        f"{'over plain-sdk':>16}",
+        # (the plain-sdk column only where that configuration ran)
+        + (
+            f"{'over plain-sdk':>16}"
+            if any(row.get("added_over_sdk_per_call") is not None for row in result["configurations"])
+            else ""
+        ),
     ]
     for row in result["configurations"]:
         added = row.get("added_per_call")

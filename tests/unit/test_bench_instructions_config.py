@@ -73,6 +73,9 @@ def test_difference_method_from_dumps():
     assert unsampled["added_per_call"] == 130 and unsampled["added_percent"] == pytest.approx(13.0)
     assert unsampled["added_per_step"] == 32.5
     assert "added_over_sdk_per_call" not in unsampled  # plain-sdk did not run
+    text = instructions.summary_text(doc | {"environment": {"torch_threads": 1}, "exporter": "discard"})
+    assert "over plain-sdk" not in text  # no column heading without values under it
+    assert "+13.000%" in text
 
 
 def test_added_over_plain_sdk_when_it_ran():
