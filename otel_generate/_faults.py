@@ -34,6 +34,8 @@ class Fault:
     FAST_HISTOGRAM_CHECK = "fast histogram check"
     FAST_STEP_SPANS = "fast step spans"
     FAST_STEP_SPANS_CHECK = "fast step spans check"
+    FAST_REQUEST_SPAN = "fast request span"
+    FAST_REQUEST_SPAN_CHECK = "fast request span check"
     GENERATE_OVERRIDE_HOOK = "generate override hook"
     GENERATION_CONFIG_CAPTURE = "generation config capture"
     IMPLIED_STEP_LENGTHS = "implied step lengths"

@@ -50,17 +50,20 @@ def start_request_span(telemetry: Telemetry, model: str, context: Any = None, st
 
     ``start_time`` is nanoseconds since the epoch (default: now).
     """
+    name = request_span_name(model)
+    attributes = {
+        A.GEN_AI_OPERATION_NAME: A.OPERATION_TEXT_COMPLETION,
+        A.GEN_AI_PROVIDER_NAME: A.PROVIDER_TRANSFORMERS,
+        A.GEN_AI_REQUEST_MODEL: model,
+        A.GEN_AI_RESPONSE_MODEL: model,
+    }
+    fast = telemetry.fast_request
+    if fast is not None:  # the same span as start_span's, without its call (otel_generate.fast_request_span)
+        span = fast.start(name, attributes, context, start_time)
+        if span is not None:
+            return span
     return telemetry.tracer.start_span(
-        request_span_name(model),
-        context=context,
-        kind=SpanKind.INTERNAL,
-        start_time=start_time,
-        attributes={
-            A.GEN_AI_OPERATION_NAME: A.OPERATION_TEXT_COMPLETION,
-            A.GEN_AI_PROVIDER_NAME: A.PROVIDER_TRANSFORMERS,
-            A.GEN_AI_REQUEST_MODEL: model,
-            A.GEN_AI_RESPONSE_MODEL: model,
-        },
+        name, context=context, kind=SpanKind.INTERNAL, start_time=start_time, attributes=attributes
     )
 
 

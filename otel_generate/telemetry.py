@@ -74,6 +74,8 @@ class Telemetry:
             continuous batching), or ``None``.
         fast: builds step spans directly where that is exactly what the public API gives
             (:mod:`otel_generate.fast_spans`), else ``None``.
+        fast_request: starts the request span as ``tracer.start_span`` would, without its call
+            (:mod:`otel_generate.fast_request_span`), else ``None``.
         fast_histograms: metric name -> :class:`~otel_generate.fast_metrics.FastHistogram` or
             ``None`` (an instrument that is not the SDK's own histogram), for every instrument.
     """
@@ -112,9 +114,11 @@ class Telemetry:
         self.setup_waiters = 0  # threads in wait_for_setups (guarded by setups_changed)
         _TELEMETRIES.add(self)  # a forked child forgets the parent's other threads' set-ups
         from otel_generate.fast_metrics import FastHistogram
+        from otel_generate.fast_request_span import FastRequestSpans
         from otel_generate.fast_spans import FastStepSpans
 
         self.fast = FastStepSpans.for_tracer(tracer)
+        self.fast_request = FastRequestSpans.for_tracer(tracer)
         self.fast_histograms = {name: FastHistogram.for_instrument(h) for name, h in self.instruments.items()}
 
     @classmethod

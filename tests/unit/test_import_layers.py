@@ -42,7 +42,17 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ),
     (
         "mechanisms",
-        ("content", "options", "cancellation", "ranks", "_patch", "fast_metrics", "fast_spans", "background"),
+        (
+            "content",
+            "options",
+            "cancellation",
+            "ranks",
+            "_patch",
+            "fast_metrics",
+            "fast_spans",
+            "fast_request_span",
+            "background",
+        ),
     ),
     ("request", ("request",)),
     ("derive/emit", ("derive", "emit", "telemetry")),
