@@ -30,7 +30,14 @@ is seen):
   (:data:`_SPAN_CODE`); otherwise the span is built by ``start_span``'s own constructor call and
   ``start()``, with the same arguments.
 
-What a sampler, id generator or processor raises goes to the caller, as from ``start_span``.
+What a sampler, id generator or processor raises goes to the caller, as from ``start_span``. The
+names ``start_span`` and the constructors look up when they run (``get_current_span``,
+``NonRecordingSpan``, the SDK module's ``_Span``, ``BoundedAttributes`` and ``BoundedList``,
+``threading.Lock``, ``time_ns``, ``DEFAULT_TRACE_STATE``) are looked up here when they are used,
+so a replacement made after set-up (gevent's lock) is what the span gets; a replaced
+``SpanContext`` or ``TraceFlags`` sends the request to ``start_span``. Not followed: a hook added
+to these classes afterwards (``__setattr__``, ``__new__``), or a checked function's ``__code__``
+or defaults replaced in place.
 
 The span's end is ``Span.end`` itself: repeating it saves nothing measurable (its cost is the
 processors' ``on_end``, which any end must call).
@@ -117,7 +124,8 @@ class FastRequestSpans:
         from opentelemetry import trace
         from opentelemetry.sdk import trace as sdk_trace
         from opentelemetry.sdk.util import BoundedList
-        from opentelemetry.trace.span import _SPAN_ID_MAX_VALUE, _TRACE_ID_MAX_VALUE, DEFAULT_TRACE_STATE
+        from opentelemetry.trace import span as span_module
+        from opentelemetry.trace.span import _SPAN_ID_MAX_VALUE, _TRACE_ID_MAX_VALUE
 
         self._tracer = tracer
         self._module = sdk_trace
@@ -132,9 +140,9 @@ class FastRequestSpans:
             attributes_module,
             trace.SpanContext,
         )
-        self._get_current_span = trace.get_current_span
+        self._api = trace  # (start_span's names read from it, and from the SDK's module, when it reads them)
+        self._span_module = span_module  # (SpanContext.__new__'s DEFAULT_TRACE_STATE, read likewise)
         self._span_context = trace.SpanContext
-        self._non_recording = trace.NonRecordingSpan
         self._kind = trace.SpanKind.INTERNAL
         flags = trace.TraceFlags
         self._sampled, self._unsampled = flags(flags.SAMPLED), flags(flags.DEFAULT)
@@ -149,8 +157,6 @@ class FastRequestSpans:
         self._new_held = self._attributes_type.__new__
         self._list_type = BoundedList
         self._new_tuple = tuple.__new__
-        self._lock = threading.Lock
-        self._default_trace_state = DEFAULT_TRACE_STATE
         if (_TRACE_ID_MAX_VALUE, _SPAN_ID_MAX_VALUE) != (_TRACE_ID_MAX, _SPAN_ID_MAX):
             raise TypeError("SpanContext's id ranges are not those expected")
         # the fields the constructors set, in their order, checked against objects they built
@@ -246,8 +252,11 @@ class FastRequestSpans:
         """Whether :meth:`start` may be taken now: not broken, the tracer's ``start_span`` not
         replaced on the object, and the code it repeats up to the sampler's decision the known code
         (:data:`_START_CODE`; the functions read now, their code once per set of function objects)."""
-        if self.broken or "start_span" in self._tracer.__dict__:
+        tracer, api = self._tracer, self._api
+        if self.broken or type(tracer) is not self._owners[0] or "start_span" in tracer.__dict__:
             return False
+        if api.SpanContext is not self._span_context or api.TraceFlags is not self._trace_flags:
+            return False  # (replaced since set-up: its flags and contexts are not those built here)
         functions = _start_functions(self._owners)
         last = self._last
         if last is not None and all(map(is_, last[0], functions)):
@@ -275,26 +284,23 @@ class FastRequestSpans:
         then). ``start_time``: nanoseconds since the epoch (``None``: now).
 
         Raises:
-            What the id generator, the sampler or a span processor's ``on_start`` raises, as
-            ``start_span`` would.
+            What ``start_span`` raises, at the same step: a parent that is not a ``SpanContext``
+            (``TypeError``), the id generator, the sampler, a span processor's ``on_start``.
         """
         try:
             if not self.usable():
                 return None
-            tracer = self._tracer
-            # start_span's steps, in its order
-            parent = self._get_current_span(context).get_span_context()
-            if parent is not None and not isinstance(parent, self._span_context):
-                return None  # (start_span raises its TypeError)
-            if not tracer._is_enabled():
-                return None  # (start_span's NonRecordingSpan)
-            resource, processor, limits = tracer.resource, tracer.span_processor, tracer._span_limits
-            if resource is None:
-                return None  # (Span.__init__ would create an empty one)
         except Exception as fault:  # nothing was done: the public path
             self.broken = True
             log_fault_once(Fault.FAST_REQUEST_SPAN, fault)
             return None
+        tracer, api, module = self._tracer, self._api, self._module
+        # start_span's steps, in its order, each name read when it reads it
+        parent = api.get_current_span(context).get_span_context()
+        if parent is not None and not isinstance(parent, api.SpanContext):
+            raise TypeError("parent_span_context must be a SpanContext or None.")
+        if not tracer._is_enabled():
+            return api.NonRecordingSpan(context=parent)
         ids = tracer.id_generator
         if parent is None or not parent.is_valid:
             parent = None
@@ -303,8 +309,7 @@ class FastRequestSpans:
             trace_id = parent.trace_id
         kind = self._kind
         sampling = tracer.sampler.should_sample(context, trace_id, name, kind, attributes, ())
-        decision = sampling.decision
-        flags = self._sampled if decision.is_sampled() else self._unsampled
+        flags = self._sampled if sampling.decision.is_sampled() else self._unsampled
         if parent is None:
             random_trace_id = ids.is_trace_id_random()
         else:
@@ -322,15 +327,23 @@ class FastRequestSpans:
                 span_id,
                 False,
                 flags,
-                trace_state if trace_state is not None else self._default_trace_state,
+                trace_state if trace_state is not None else self._span_module.DEFAULT_TRACE_STATE,
                 0 < trace_id <= _TRACE_ID_MAX and 0 < span_id <= _SPAN_ID_MAX,
             ),
         )
-        record_end_metrics = tracer._tracer_metrics.start_span(parent, decision)
-        if not decision.is_recording():
-            return self._non_recording(context=span_context)
-        if not self._builds_as_known():  # start_span's own construction, with the same arguments
-            span = self._span_type(
+        record_end_metrics = tracer._tracer_metrics.start_span(parent, sampling.decision)
+        if not sampling.decision.is_recording():
+            return api.NonRecordingSpan(context=span_context)
+        resource, processor, limits = tracer.resource, tracer.span_processor, tracer._span_limits
+        span_type = module._Span
+        if (
+            span_type is not self._span_type
+            or module.BoundedAttributes is not self._attributes_type
+            or module.BoundedList is not self._list_type
+            or resource is None
+            or not self._builds_as_known()
+        ):  # start_span's own construction, with the same arguments
+            span = span_type(
                 name=name,
                 context=span_context,
                 parent=parent,
@@ -349,34 +362,37 @@ class FastRequestSpans:
             )
             span.start(start_time=start_time, parent_context=context)
             return span
-        span = self._new_span(self._span_type)
-        fields = self._template.copy()  # Span.__init__'s fields, in its order
+        # Span.__init__'s fields, in its order; each new object made in its order
+        fields = self._template.copy()
         fields["_name"] = name
         fields["_context"] = span_context
         fields["_instrumentation_info"] = tracer.instrumentation_info
         fields["_instrumentation_scope"] = tracer._instrumentation_scope
         fields["_parent"] = parent
-        fields["_start_time"] = start_time if start_time is not None else self._module.time_ns()  # (Span.start)
-        fields["_attributes"] = self._attributes(sampling.attributes, limits)
-        fields["_events"] = self._list_type(limits.max_events)  # (Span._new_events)
-        fields["_links"] = self._list_type(limits.max_links)  # (Span._new_links: no link)
         fields["_resource"] = resource
         fields["_sampler"] = tracer.sampler
         fields["_span_processor"] = processor
         fields["_limits"] = limits
-        fields["_lock"] = self._lock()
+        fields["_lock"] = threading.Lock()
+        fields["_attributes"] = self._attributes(sampling.attributes, limits)
+        fields["_events"] = self._list_type(limits.max_events)  # (Span._new_events)
+        fields["_links"] = self._list_type(limits.max_links)  # (Span._new_links: no link)
         fields["_record_end_metrics"] = record_end_metrics
+        fields["_start_time"] = start_time if start_time is not None else module.time_ns()  # (Span.start)
+        span = self._new_span(span_type)
         span.__dict__ = fields
         processor.on_start(span, parent_context=context)
         return span
 
     def _attributes(self, attributes: Any, limits: Any) -> Any:
         """``BoundedAttributes(limits.max_span_attributes, attributes, immutable=False,
-        max_value_len=limits.max_span_attribute_length)``, as that constructor builds it."""
+        max_value_len=limits.max_span_attribute_length)``, as that constructor builds it (its
+        cleaning reads ``attributes.items()``: so are they read here, once)."""
         maxlen, limit = limits.max_span_attributes, limits.max_span_attribute_length
         held_type = self._attributes_type
         if attributes and (maxlen is None or 0 < len(attributes) <= maxlen) and (limit is None or limit >= 0):
-            for key, value in attributes.items():
+            items = tuple(attributes.items())
+            for key, value in items:
                 if type(key) is not str or not key:
                     break
                 kind = type(value)
@@ -388,11 +404,11 @@ class FastRequestSpans:
             else:  # what the cleaning leaves as it is: stored as it is, in order
                 held = self._new_held(held_type)
                 held.__dict__ = {
-                    "_dict": dict(attributes),
+                    "_dict": dict(items),
                     "maxlen": maxlen,
                     "dropped": 0,
                     "max_value_len": limit,
-                    "_lock": self._lock(),
+                    "_lock": threading.Lock(),
                     "_immutable": False,
                 }
                 return held

@@ -82,10 +82,12 @@ def comparable(span):
     return list(fields.items())
 
 
-def both(tracer_provider, attributes=ATTRIBUTES, context=None, start_time=123):
-    """(public span, fast span) from two tracers of the same provider, the ids counted alike."""
+def both(tracer_provider, attributes=ATTRIBUTES, context=None, start_time=123, fast=None):
+    """(public span, fast span) from two tracers of the same provider, the ids counted alike;
+    ``fast``: one set up earlier (default: set up now)."""
     public_tracer = tracer_provider.get_tracer("otel_generate")
-    fast = FastRequestSpans.for_tracer(tracer_provider.get_tracer("otel_generate"))
+    if fast is None:
+        fast = FastRequestSpans.for_tracer(tracer_provider.get_tracer("otel_generate"))
     assert fast is not None
     ids = tracer_provider.id_generator
     ids.next = 0
@@ -202,13 +204,91 @@ def test_the_processors_on_start_is_called_with_the_span_and_the_context():
     assert seen[-1][0] is built and seen[-1][1] is context
 
 
-def test_a_disabled_tracer_or_a_parent_that_is_not_a_span_context_takes_the_public_path():
+def test_a_disabled_tracer_gives_start_spans_non_recording_span_and_draws_nothing():
     tracer_provider, _ = provider()
     tracer = tracer_provider.get_tracer("x")
     fast = FastRequestSpans.for_tracer(tracer)
     tracer._tracer_config = type(tracer._tracer_config)(is_enabled=False)
-    assert fast.start("n", ATTRIBUTES) is None
-    assert tracer_provider.id_generator.next == 0  # nothing drawn
+    parent = tracer_provider.get_tracer("app").start_span("request")
+    context = trace.set_span_in_context(parent)
+    public = tracer.start_span("n", context=context, attributes=ATTRIBUTES)
+    built = fast.start("n", ATTRIBUTES, context)
+    assert type(built) is type(public) is trace.NonRecordingSpan
+    assert built.get_span_context() == public.get_span_context() == parent.get_span_context()
+    assert tracer_provider.id_generator.next == 2  # the parent's trace and span ids only
+
+
+def test_a_parent_that_is_not_a_span_context_raises_start_spans_type_error():
+    class Odd(trace.NonRecordingSpan):
+        def get_span_context(self):
+            return (1, 2)
+
+    tracer_provider, _ = provider()
+    tracer = tracer_provider.get_tracer("x")
+    fast = FastRequestSpans.for_tracer(tracer)
+    context = trace.set_span_in_context(Odd(trace.INVALID_SPAN_CONTEXT))
+    with pytest.raises(TypeError) as public:
+        tracer.start_span("n", context=context, attributes=ATTRIBUTES)
+    with pytest.raises(TypeError) as built:
+        fast.start("n", ATTRIBUTES, context)
+    assert str(built.value) == str(public.value)
+    assert tracer_provider.id_generator.next == 0 and not fast.broken
+
+
+def test_a_replaced_lock_class_is_the_one_the_span_gets_as_gevent_patches_it(monkeypatch):
+    import threading
+
+    tracer_provider, _ = provider()
+    fast = FastRequestSpans.for_tracer(tracer_provider.get_tracer("otel_generate"))
+
+    class GreenLock:
+        def __init__(self):
+            self.lock = threading.RLock()
+
+        def __enter__(self):
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self.lock.__exit__(*exc)
+
+    monkeypatch.setattr(threading, "Lock", GreenLock)
+    public, built = both(tracer_provider, fast=fast)
+    assert type(built._lock) is type(public._lock) is GreenLock
+    assert type(built._attributes._lock) is type(public._attributes._lock) is GreenLock
+    assert type(built._events._lock) is type(public._events._lock) is GreenLock
+
+
+@pytest.mark.parametrize("name", ["_Span", "BoundedAttributes", "BoundedList"])
+def test_a_class_the_sdk_module_names_replaced_after_set_up_builds_the_span_with_it(monkeypatch, name):
+    from opentelemetry.sdk import trace as sdk_trace
+
+    tracer_provider, _ = provider()
+    fast = FastRequestSpans.for_tracer(tracer_provider.get_tracer("otel_generate"))
+    replacement = type("Replacement", (getattr(sdk_trace, name),), {})
+    monkeypatch.setattr(sdk_trace, name, replacement)
+    public, built = both(tracer_provider, fast=fast)
+    assert comparable(built) == comparable(public)
+    found = {"_Span": built, "BoundedAttributes": built._attributes, "BoundedList": built._events}[name]
+    assert type(found) is replacement
+
+
+def test_attributes_are_read_through_items_once_as_the_cleaning_reads_them():
+    class Reading(dict):
+        reads = 0
+
+        def items(self):
+            type(self).reads += 1
+            return super().items()
+
+        def __getitem__(self, key):
+            return "not what items() gives"
+
+    sampler = RecordingSampler()
+    tracer_provider, _ = provider(sampler=sampler)
+    given = Reading(ATTRIBUTES)
+    public, built = both(tracer_provider, attributes=given)
+    assert comparable(built) == comparable(public)
+    assert dict(built.attributes) == ATTRIBUTES
 
 
 def patch_with_a_wrapper(monkeypatch, owner, name):
