@@ -23,14 +23,16 @@ is seen):
 
 * up to the sampler's decision, and for a span that is not recorded: the tracer is exactly the
   SDK's ``Tracer`` (no ``start_span`` set on the object), and ``Tracer.start_span`` and
-  ``SpanContext.__new__`` are the code of opentelemetry-sdk 1.45 (:data:`_START_CODE`); otherwise,
-  and for a parent that is not a ``SpanContext``, the caller calls ``tracer.start_span``;
+  ``SpanContext.__new__`` are the code of opentelemetry-sdk 1.45 (:data:`_START_CODE`); otherwise
+  the caller calls ``tracer.start_span`` (nothing done here);
 * for a recording span: ``Span.__init__``, ``ReadableSpan.__init__``, ``Span.start``,
   ``BoundedList.__init__``, ``BoundedAttributes.__init__`` and the functions the cleaning runs
   (:data:`_SPAN_CODE`); otherwise the span is built by ``start_span``'s own constructor call and
   ``start()``, with the same arguments.
 
-What a sampler, id generator or processor raises goes to the caller, as from ``start_span``. The
+A parent that is not a ``SpanContext`` raises ``start_span``'s ``TypeError``, a disabled tracer gets
+its ``NonRecordingSpan``, and what a sampler, id generator or processor raises goes to the caller,
+as from ``start_span``. The
 names ``start_span`` and the constructors look up when they run (``get_current_span``,
 ``NonRecordingSpan``, the SDK module's ``_Span``, ``BoundedAttributes`` and ``BoundedList``,
 ``threading.Lock``, ``time_ns``, ``DEFAULT_TRACE_STATE``) are looked up here when they are used,
@@ -39,8 +41,8 @@ so a replacement made after set-up (gevent's lock) is what the span gets; a repl
 to these classes afterwards (``__setattr__``, ``__new__``), or a checked function's ``__code__``
 or defaults replaced in place.
 
-The span's end is ``Span.end`` itself: repeating it saves nothing measurable (its cost is the
-processors' ``on_end``, which any end must call).
+The span's end is ``Span.end`` itself: repeating it was measured to save nothing (its cost is
+probably the processors' ``on_end``, which any end must call).
 """
 
 from __future__ import annotations
