@@ -13,7 +13,9 @@ import ast
 import hashlib
 import inspect
 import textwrap
-from typing import Any, Iterable
+from operator import is_
+from types import FunctionType
+from typing import Any, Dict, Iterable, Tuple
 
 
 def code_of(source: str) -> str:
@@ -79,3 +81,27 @@ def code_digest(functions: Iterable[Any]) -> str:
     """
     text = "\n".join(code_of(inspect.getsource(function)) for function in functions)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def functions_known(cache: Dict[tuple, Tuple[tuple, bool]], functions: tuple, digest: str) -> bool:
+    """Whether ``functions`` are plain functions (none a wrapper: a ``functools.wraps`` or ``wrapt``
+    wrapper's source reads as the function it wraps) whose :func:`code_digest` is ``digest``.
+
+    Read once per set of function objects, remembered in ``cache`` under their ids with the
+    functions themselves: an entry is used only for those very objects (another function may later
+    have an address). A function whose source cannot be read is not known; never raises.
+    """
+    key = (digest, *map(id, functions))
+    entry = cache.get(key)
+    if entry is not None and all(map(is_, entry[0], functions)):
+        return entry[1]
+    try:
+        known = (
+            all(type(function) is FunctionType and not hasattr(function, "__wrapped__") for function in functions)
+            and code_digest(functions) == digest
+        )
+    except Exception:  # no source, another layout: never relied on
+        known = False
+    if key in cache or len(cache) < 32:
+        cache[key] = (functions, known)
+    return known

@@ -50,11 +50,10 @@ from __future__ import annotations
 import inspect
 import threading
 from operator import is_
-from types import FunctionType
 from typing import Any, Dict, Optional, Tuple
 
 from otel_generate._faults import Fault, log_fault_once
-from otel_generate._sdk_code import code_digest
+from otel_generate._sdk_code import functions_known
 
 #: sha256 of the code (``ast.unparse``, docstrings left out) of ``Tracer.start_span`` and
 #: ``SpanContext.__new__`` (opentelemetry-api), as opentelemetry-sdk 1.45 has them: what
@@ -94,28 +93,9 @@ def _span_functions(owners: tuple) -> tuple:
     )
 
 
-#: the function objects found to be (or not to be) the code their digest names: (digest, their
-#: ids) -> (them, whether)
+#: the function objects found to be (or not to be) the code their digest names
+#: (:func:`~otel_generate._sdk_code.functions_known`)
 _checked: Dict[tuple, Tuple[tuple, bool]] = {}
-
-
-def _known(functions: tuple, digest: str) -> bool:
-    """Whether ``functions`` are plain functions (no wrapper) whose code is ``digest``; read once
-    per set of function objects (an entry is used only for those very objects)."""
-    key = (digest, *map(id, functions))
-    entry = _checked.get(key)
-    if entry is not None and all(map(is_, entry[0], functions)):
-        return entry[1]
-    try:
-        known = (
-            all(type(function) is FunctionType and not hasattr(function, "__wrapped__") for function in functions)
-            and code_digest(functions) == digest
-        )
-    except Exception:  # no source, another layout: never relied on
-        known = False
-    if key in _checked or len(_checked) < 32:
-        _checked[key] = (functions, known)
-    return known
 
 
 class FastRequestSpans:
@@ -163,23 +143,7 @@ class FastRequestSpans:
             raise TypeError("SpanContext's id ranges are not those expected")
         # the fields the constructors set, in their order, checked against objects they built
         limits = tracer._span_limits
-        sample = self._span_type(
-            name="",
-            context=None,
-            parent=None,
-            sampler=tracer.sampler,
-            resource=tracer.resource,
-            attributes={"a": 1},
-            span_processor=tracer.span_processor,
-            kind=self._kind,
-            links=(),
-            instrumentation_info=tracer.instrumentation_info,
-            record_exception=True,
-            set_status_on_exception=True,
-            limits=limits,
-            instrumentation_scope=tracer._instrumentation_scope,
-            record_end_metrics=None,
-        )
+        sample = self._constructed(self._span_type, "", None, None, tracer.resource, {"a": 1}, None, limits)
         built = self._fields("", None, None, sample._attributes, sample._events, sample._links, None, None)
         built["_lock"] = sample._lock
         if list(vars(sample)) != list(built) or any(
@@ -198,6 +162,38 @@ class FastRequestSpans:
                 raise TypeError("BoundedList's fields are not those expected")
         #: Span.__init__'s fields in its order; start() overwrites every one a span has of its own
         self._template = built
+
+    def _constructed(
+        self,
+        span_type: type,
+        name: str,
+        context: Any,
+        parent: Any,
+        resource: Any,
+        attributes: Any,
+        record_end_metrics: Any,
+        limits: Any,
+    ) -> Any:
+        """A span built by ``span_type``'s constructor with the arguments ``start_span`` passes it
+        (the tracer's sampler, processor, scope; kind INTERNAL, no link), not yet started."""
+        tracer = self._tracer
+        return span_type(
+            name=name,
+            context=context,
+            parent=parent,
+            sampler=tracer.sampler,
+            resource=resource,
+            attributes=attributes,
+            span_processor=tracer.span_processor,
+            kind=self._kind,
+            links=(),
+            instrumentation_info=tracer.instrumentation_info,
+            record_exception=True,
+            set_status_on_exception=True,
+            limits=limits,
+            instrumentation_scope=tracer._instrumentation_scope,
+            record_end_metrics=record_end_metrics,
+        )
 
     def _fields(
         self, name: str, context: Any, parent: Any, attributes: Any, events: Any, links: Any, start: Any, end: Any
@@ -263,7 +259,7 @@ class FastRequestSpans:
         last = self._last
         if last is not None and all(map(is_, last[0], functions)):
             return last[1]
-        known = _known(functions, _START_CODE)
+        known = functions_known(_checked, functions, _START_CODE)
         self._last = (functions, known)
         return known
 
@@ -274,7 +270,7 @@ class FastRequestSpans:
         last = self._last_span
         if last is not None and all(map(is_, last[0], functions)):
             return last[1]
-        known = _known(functions, _SPAN_CODE)
+        known = functions_known(_checked, functions, _SPAN_CODE)
         self._last_span = (functions, known)
         return known
 
@@ -345,22 +341,8 @@ class FastRequestSpans:
             or resource is None
             or not self._builds_as_known()
         ):  # start_span's own construction, with the same arguments
-            span = span_type(
-                name=name,
-                context=span_context,
-                parent=parent,
-                sampler=tracer.sampler,
-                resource=resource,
-                attributes=sampling.attributes,
-                span_processor=processor,
-                kind=kind,
-                links=(),
-                instrumentation_info=tracer.instrumentation_info,
-                record_exception=True,
-                set_status_on_exception=True,
-                limits=limits,
-                instrumentation_scope=tracer._instrumentation_scope,
-                record_end_metrics=record_end_metrics,
+            span = self._constructed(
+                span_type, name, span_context, parent, resource, sampling.attributes, record_end_metrics, limits
             )
             span.start(start_time=start_time, parent_context=context)
             return span

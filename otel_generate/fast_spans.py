@@ -46,7 +46,7 @@ from types import FunctionType
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from otel_generate._faults import Fault, log_fault_once
-from otel_generate._sdk_code import code_digest, same_body, same_code
+from otel_generate._sdk_code import functions_known, same_body, same_code
 
 #: Step spans with at most this many attributes, all numbers or bools, may take the fast path.
 MAX_FAST_ATTRIBUTES = 8
@@ -459,7 +459,7 @@ _SEQUENCE_TYPES = frozenset((list, tuple))
 _VALUE_TYPES = _ELEMENT_TYPES | _SEQUENCE_TYPES  # what a value may be
 _KEY_TYPES = frozenset((str,))
 #: the functions a span's ``set_attributes`` runs (:func:`_attribute_functions`) found to be the known
-#: code: their ids -> (the functions, whether they are)
+#: code (:func:`~otel_generate._sdk_code.functions_known`'s cache)
 _checked_attribute_functions: Dict[tuple, Tuple[tuple, bool]] = {}
 
 
@@ -497,20 +497,7 @@ def _sets_attributes_as_expected(span_type: type, attributes_type: type) -> bool
         functions = _attribute_functions(span_type, attributes_type, attributes_module)
     except Exception:  # another layout: never relied on
         return False
-    key = tuple(map(id, functions))
-    entry = _checked_attribute_functions.get(key)
-    if entry is not None and all(map(is_, entry[0], functions)):
-        return entry[1]
-    try:
-        known = (
-            all(type(function) is FunctionType and not hasattr(function, "__wrapped__") for function in functions)
-            and code_digest(functions) == _SET_ATTRIBUTES_CODE
-        )
-    except Exception:  # no source, another layout: never relied on
-        known = False
-    if key in _checked_attribute_functions or len(_checked_attribute_functions) < 32:
-        _checked_attribute_functions[key] = (functions, known)
-    return known
+    return functions_known(_checked_attribute_functions, functions, _SET_ATTRIBUTES_CODE)
 
 
 def set_request_attributes(span: Any, attributes: Dict[str, Any]) -> bool:
