@@ -38,9 +38,10 @@ causes outside its hooks (``force_flush``'s export on the processor's thread, al
 garbage-collector effects on the model's own code), which the difference method of
 ``otel-generate bench --instructions`` includes, with its run-to-run spread.
 
-After 3 warm-up calls, ``gc.collect()`` and ``gc.disable()`` (a collection's cost would land in
-whichever code allocates when its threshold is crossed, in or out of the hooks, differently in
-every process); then N calls are counted and the count per call printed. The count does not
+After ``callgrind_workload.WARMUP_CALLS`` warm-up calls (20: by then the interpreter has
+specialized the once-per-request code), ``gc.collect()`` and ``gc.disable()`` (a collection's cost
+would land in whichever code allocates when its threshold is crossed, in or out of the hooks,
+differently in every process); then N calls are counted and the count per call printed. The count does not
 depend on other processes, nor much on N (no process start or set-up is in it). Needs valgrind
 (``callgrind_control``) on Linux.
 """
@@ -174,7 +175,7 @@ def child(config: str, n: int, folder: str) -> None:
 
         clock.monotonic_ns = steady_clock()
     options = {"max_step_spans": 0} if config == "step-spans-off" else {}
-    call = callgrind_workload.tiny_gpt2_calls(config != "unsampled", options)  # (3 warm-up calls)
+    call = callgrind_workload.tiny_gpt2_calls(config != "unsampled", options)  # (its warm-up calls)
     gc.collect()
     gc.disable()  # a collection would land in whichever code allocates when the threshold is crossed
     CALLS.update(outer=0, inner=0)

@@ -7,10 +7,11 @@ CONFIG is ``plain`` (not instrumented), ``sampled`` or ``unsampled`` (``TracerPr
 ``MeterProvider`` with an ``InMemoryMetricReader`` either way). The default tiny GPT-2, prompt 4,
 128 new tokens, greedy, EOS off, one thread. The script starts itself under
 ``valgrind --tool=callgrind --instr-atstart=no`` (imports and set-up run uninstrumented, fast),
-waits for 3 warm-up calls, turns instrumentation on with ``callgrind_control -i on``, lets the
-child make N calls (each followed by ``tracer_provider.force_flush()``, so the span export it
-causes is counted), turns it off and prints ``CONFIG N instructions``. Per call: run N=2 and N=6
-and take (Ir(6) - Ir(2)) / 4. Needs valgrind (``callgrind_control``) on Linux.
+waits for ``callgrind_workload.WARMUP_CALLS`` warm-up calls, turns instrumentation on with
+``callgrind_control -i on``, lets the child make N calls (each followed by
+``tracer_provider.force_flush()``, so the span export it causes is counted), turns it off and
+prints ``CONFIG N instructions``. Per call: run N=2 and N=6 and take (Ir(6) - Ir(2)) / 4. Needs
+valgrind (``callgrind_control``) on Linux.
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def child(config: str, pieces: str, n: int, folder: str) -> None:
     else:
         install(pieces)
         options = {"max_step_spans": 0} if config == "step-spans-off" else {}
-        call = callgrind_workload.tiny_gpt2_calls(config != "unsampled", options)  # (3 warm-up calls)
+        call = callgrind_workload.tiny_gpt2_calls(config != "unsampled", options)  # (its warm-up calls)
         gc.collect()
         gc.disable()
         del NAMES[:]
