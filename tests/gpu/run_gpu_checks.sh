@@ -8,7 +8,9 @@
 #    vs CUDA events of the same steps (5 %), sum of step latencies vs the request span (2 %);
 # 2. `otel-generate bench --compare --device cuda` on a random-weight Llama-architecture model of
 #    about 1.1B parameters in bfloat16 (config in tests/gpu/test_gpu.py, nothing downloaded);
-# 3. the same overhead comparison on the default tiny GPT-2 model on CUDA.
+# 3. the same overhead comparison on the default tiny GPT-2 model on CUDA;
+# 4. benchmarks/gpu_sync_split.py: that model's per-step cost split into the synchronize and the rest
+#    (instrumented with synchronize on and off, against plain, interleaved).
 #
 # Environment: PYTHON (default: python), OUT (where results go; default: a new temporary folder).
 # Prints the date, the device, the versions and every result; the JSON and PNG files stay in $OUT.
@@ -113,6 +115,12 @@ BENCH_TINY=("$PYTHON" -m otel_generate bench --device "$DEVICE" --new-tokens 128
 echo "${BENCH_TINY[*]}"
 "${BENCH_TINY[@]}"
 summarize "$OUT/bench_tiny.json"
+
+# --- 4. the synchronize's share of the tiny model's per-step cost ---------------------------------
+echo
+echo "=== 4. benchmarks/gpu_sync_split.py $DEVICE $((RUNS * 4)) ==="
+PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" benchmarks/gpu_sync_split.py "$DEVICE" "$((RUNS * 4))" \
+    | tee "$OUT/sync_split.txt"
 
 echo
 echo "=== done: $(date -u +%Y-%m-%dT%H:%M:%SZ); files in $OUT; pytest -m gpu exit status $PYTEST_RC ==="
