@@ -39,10 +39,16 @@ ARMS = ("plain", "sync on", "sync off")
 
 
 def main() -> int:
+    usage = "usage: gpu_sync_split.py [DEVICE] [ROUNDS >= 4]"
+    if len(sys.argv) > 3:
+        raise SystemExit(usage)
     device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
-    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+    try:
+        rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+    except ValueError:
+        raise SystemExit(f"{usage}: ROUNDS {sys.argv[2]!r} is not an integer") from None
     if rounds < 4:
-        raise SystemExit("usage: gpu_sync_split.py [DEVICE] [ROUNDS >= 4]")
+        raise SystemExit(usage)
     cuda = device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise SystemExit("CUDA is not available; pass cpu to check the script")
