@@ -4,8 +4,9 @@ Run them with ``tests/gpu/run_gpu_checks.sh`` (or ``python -m pytest -m gpu test
 use a random-weight Llama-architecture model of about 1.1B parameters in bfloat16 (the shape of
 TinyLlama-1.1B; nothing is downloaded):
 
-* the synchronization really happens per step: ``torch.cuda.synchronize`` is called at every
-  step boundary, and each step latency the instrumentation reports agrees within 5 % with a
+* the synchronization really happens per step: ``torch.cuda.synchronize`` is called right before
+  every clock read of the instrumentation (the request's start, each step boundary, the end; the
+  first of them in the request's set-up), and each step latency the instrumentation reports agrees within 5 % with a
   CUDA-event timing of the same step (events recorded by a user stopping criterion, which
   transformers calls right before the instrumentation's own criterion; step 0's start event
   inside the instrumentation's first synchronize, right before it reads the start clock), after
@@ -19,13 +20,15 @@ Each test prints its measurements (``-s`` shows them).
 from __future__ import annotations
 
 import gc
+import sys
 
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from otel_generate import TokenLatencyProfiler
+from otel_generate import TokenLatencyProfiler, clock
 from otel_generate import attributes as A
+from otel_generate.integrations import loop_state
 
 pytestmark = [
     pytest.mark.gpu,
@@ -99,43 +102,67 @@ class CudaEventMarks(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+def _running_in(code) -> bool:
+    """Whether a frame of ``code`` is on the calling thread's stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def test_step_latencies_agree_with_cuda_events_of_the_same_steps(llama_1b, monkeypatch):
     inputs = prompt(llama_1b)
     synchronize_calls = []
+    order = []  # "sync" and "clock" as the instrumentation did them during the measured call
+    first_sync_in_setup = []
     real_synchronize = torch.cuda.synchronize
+    real_clock = clock.monotonic_ns
     start = torch.cuda.Event(enable_timing=True)
 
     def counting_synchronize(*args, **kwargs):
         result = real_synchronize(*args, **kwargs)
         synchronize_calls.append(args)
+        order.append("sync")
         if len(synchronize_calls) == 1:
-            # the instrumentation's wait right before it reads the request's start clock: step 0's
-            # event starts where its clock reading does (the device is idle, the event fires now)
+            # the instrumentation's wait before it reads the request's start clock (only
+            # torch.cuda.reset_peak_memory_stats between them): step 0's event starts where its
+            # clock reading does (the device is idle, the event fires now)
+            first_sync_in_setup.append(_running_in(loop_state.Call.__init__.__code__))
             start.record()
         return result
+
+    def ordered_clock():
+        order.append("clock")
+        return real_clock()
 
     marks = CudaEventMarks()
     with TokenLatencyProfiler() as profiler:
         # warm-up, instrumented like the measured call: kernels, allocator, and the instrumentation's
-        # first use in the process (about 2 ms of set-up before the start clock, once; BENCHMARKS.md)
+        # first use in the process (1.4 to 2.2 ms of set-up before the start clock, once; BENCHMARKS.md)
         for _ in range(2):
             generate(llama_1b, inputs)
-        monkeypatch.setattr(torch.cuda, "synchronize", counting_synchronize)
-        gc.collect()
-        gc.disable()
-        try:
-            real_synchronize()
-            out = generate(llama_1b, inputs, stopping_criteria=StoppingCriteriaList([marks]))
-            real_synchronize()
-        finally:
-            gc.enable()
-            monkeypatch.undo()
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.cuda, "synchronize", counting_synchronize)
+            patch.setattr(clock, "monotonic_ns", ordered_clock)  # read by the request and its step recorder
+            gc.collect()
+            gc.disable()
+            try:
+                real_synchronize()
+                out = generate(llama_1b, inputs, stopping_criteria=StoppingCriteriaList([marks]))
+                real_synchronize()
+            finally:
+                gc.enable()
     record = profiler.records[-1]
     assert out.shape[-1] - PROMPT_TOKENS == NEW_TOKENS
     assert record.synchronized and record.device == "cuda:0"
     assert len(record.step_latencies_s) == len(marks.events) == NEW_TOKENS
-    # the instrumentation waited for the device at the start, at every step boundary and at the end
-    assert len(synchronize_calls) >= NEW_TOKENS + 2
+    # the instrumentation waited for the device at the start, at every step boundary and at the end,
+    # each time right before it read the clock: the start, one read per step, the end
+    assert first_sync_in_setup == [True]
+    assert order.count("clock") >= NEW_TOKENS + 2
+    assert all(i > 0 and order[i - 1] == "sync" for i, event in enumerate(order) if event == "clock"), order
 
     bounds = [start] + marks.events
     event_ms = [a.elapsed_time(b) for a, b in zip(bounds, bounds[1:])]
