@@ -52,7 +52,7 @@ def main() -> int:
     cuda = device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise SystemExit("CUDA is not available; pass cpu to check the script")
-    wait = torch.cuda.synchronize if cuda else (lambda: None)
+    synchronize = clock.synchronizer_for([torch.device(device)])  # None on CPU
     model = build_model("gpt2").to(device)
     ids = torch.tensor([[5, 6, 7, 8]], device=device)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -69,13 +69,12 @@ def main() -> int:
                 tracer_provider=tracer_provider, meter_provider=meter_provider, synchronize=arm == "sync on"
             )
         try:
-            wait()
-            start = time.perf_counter()
-            out = model.generate(
-                **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+            out, elapsed = clock.timed_call(
+                lambda: model.generate(
+                    **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+                ),
+                synchronize,
             )
-            wait()
-            elapsed = time.perf_counter() - start
         finally:
             if instrumentor is not None:
                 instrumentor.uninstrument()
@@ -99,6 +98,8 @@ def main() -> int:
 
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"device {device} ({name}), {rounds} rounds, {NEW_TOKENS} new tokens")
+    # (quartiles by statistics.quantiles' default method, as in the recorded runs; the bench's own
+    # tables use otel_generate.bench.stats.iqr_of, which interpolates otherwise)
     for arm in ARMS:
         q = statistics.quantiles(times[arm], n=4)
         median = statistics.median(times[arm])
@@ -116,7 +117,6 @@ def main() -> int:
     paired("sync off - plain", "sync off", "plain")
     paired("sync on - sync off", "sync on", "sync off")
     if cuda:
-        synchronize = clock.synchronizer_for([torch.device(device)])
         for label, fn in (
             ("torch.cuda.synchronize() on an idle device", torch.cuda.synchronize),
             ("the instrumentation's synchronize (clock.synchronizer_for)", synchronize),

@@ -6,11 +6,11 @@ TinyLlama-1.1B; nothing is downloaded):
 
 * the synchronization really happens per step: ``torch.cuda.synchronize`` is called right before
   every clock read of the instrumentation (the request's start, each step boundary, the end; the
-  first of them in the request's set-up), and each step latency the instrumentation reports agrees within 5 % with a
-  CUDA-event timing of the same step (events recorded by a user stopping criterion, which
-  transformers calls right before the instrumentation's own criterion; step 0's start event
-  inside the instrumentation's first synchronize, right before it reads the start clock), after
-  instrumented warm-up calls;
+  first of them in the request's set-up), and each step latency the instrumentation reports
+  agrees within 5 % with a CUDA-event timing of the same step (events recorded by a user
+  stopping criterion, which transformers calls right before the instrumentation's own
+  criterion; step 0's start event inside the instrumentation's first synchronize, right before
+  it reads the start clock), after instrumented warm-up calls;
 * the step latencies add up to the request span's duration within 2 %;
 * ``otel-generate bench`` on CUDA synchronizes around every timed call.
 
@@ -114,7 +114,6 @@ def _running_in(code) -> bool:
 
 def test_step_latencies_agree_with_cuda_events_of_the_same_steps(llama_1b, monkeypatch):
     inputs = prompt(llama_1b)
-    synchronize_calls = []
     order = []  # "sync" and "clock" as the instrumentation did them during the measured call
     first_sync_in_setup = []
     real_synchronize = torch.cuda.synchronize
@@ -123,9 +122,8 @@ def test_step_latencies_agree_with_cuda_events_of_the_same_steps(llama_1b, monke
 
     def counting_synchronize(*args, **kwargs):
         result = real_synchronize(*args, **kwargs)
-        synchronize_calls.append(args)
         order.append("sync")
-        if len(synchronize_calls) == 1:
+        if len(order) == 1:
             # the instrumentation's wait before it reads the request's start clock (only
             # torch.cuda.reset_peak_memory_stats between them): step 0's event starts where its
             # clock reading does (the device is idle, the event fires now)
