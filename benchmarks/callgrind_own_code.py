@@ -3,7 +3,9 @@
     python benchmarks/callgrind_own_code.py CONFIG N [steady]
 
 CONFIG is ``unsampled`` (``ALWAYS_OFF``), ``step-spans-off`` (``ALWAYS_ON``, ``max_step_spans=0``)
-or ``sampled`` (``ALWAYS_ON``, every step a span); a ``BatchSpanProcessor`` with a discarding
+or ``sampled`` (``ALWAYS_ON``, every step a span), or ``step-spans-off-eos``: ``step-spans-off``
+with the model's EOS id (no row ends early, but the criteria hold ``EosTokenCriteria`` and each
+step's ``is_done`` is kept, as in production); a ``BatchSpanProcessor`` with a discarding
 exporter and an SDK ``MeterProvider`` with an ``InMemoryMetricReader`` either way. The default
 tiny GPT-2, prompt 4, 128 new tokens, greedy, EOS off, one thread, ``PYTHONHASHSEED=0``.
 
@@ -60,7 +62,7 @@ from itertools import accumulate, cycle, dropwhile, filterfalse, starmap
 import callgrind_toggled  # noqa: E402  (benchmarks/, the script's own folder)
 import callgrind_workload  # noqa: E402
 
-CONFIGS = ("unsampled", "step-spans-off", "sampled")
+CONFIGS = ("unsampled", "step-spans-off", "sampled", "step-spans-off-eos")
 #: the optional third argument: every clock read of the instrumentation reads :func:`steady_clock`
 STEADY = "steady"
 TOGGLES = (
@@ -174,8 +176,9 @@ def child(config: str, n: int, folder: str) -> None:
         from otel_generate import clock
 
         clock.monotonic_ns = steady_clock()
-    options = {"max_step_spans": 0} if config == "step-spans-off" else {}
-    call = callgrind_workload.tiny_gpt2_calls(config != "unsampled", options)  # (its warm-up calls)
+    options = {"max_step_spans": 0} if config.startswith("step-spans-off") else {}
+    eos = config.endswith("-eos")
+    call = callgrind_workload.tiny_gpt2_calls(config != "unsampled", options, eos)  # (its warm-up calls)
     gc.collect()
     gc.disable()  # a collection would land in whichever code allocates when the threshold is crossed
     CALLS.update(outer=0, inner=0)

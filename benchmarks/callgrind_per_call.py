@@ -4,8 +4,9 @@
 
 CONFIG is ``plain`` (not instrumented), ``sampled`` or ``unsampled`` (``TracerProvider`` with
 ``ALWAYS_ON`` / ``ALWAYS_OFF``; a ``BatchSpanProcessor`` with a discarding exporter and an SDK
-``MeterProvider`` with an ``InMemoryMetricReader`` either way). The default tiny GPT-2, prompt 4,
-128 new tokens, greedy, EOS off, one thread. The script starts itself under
+``MeterProvider`` with an ``InMemoryMetricReader`` either way), or ``plain-eos``: ``plain`` with
+the model's EOS id (``callgrind_workload.tiny_gpt2_calls``' ``eos``). The default tiny GPT-2,
+prompt 4, 128 new tokens, greedy, EOS off, one thread. The script starts itself under
 ``valgrind --tool=callgrind --instr-atstart=no`` (imports and set-up run uninstrumented, fast),
 waits for ``callgrind_workload.WARMUP_CALLS`` warm-up calls, turns instrumentation on with
 ``callgrind_control -i on``, lets the child make N calls (each followed by
@@ -23,7 +24,8 @@ import callgrind_workload  # noqa: E402
 
 
 def child(config: str, n: int, folder: str) -> None:
-    call = callgrind_workload.tiny_gpt2_calls(config != "unsampled", None if config == "plain" else {})
+    plain = config in ("plain", "plain-eos")
+    call = callgrind_workload.tiny_gpt2_calls(config != "unsampled", None if plain else {}, config == "plain-eos")
     callgrind_toggled.counted_stretch(folder, lambda: [call() for _ in range(n)])
 
 
@@ -32,8 +34,8 @@ def main() -> int:
         child(sys.argv[2], int(sys.argv[3]), sys.argv[4])
         return 0
     config, n = sys.argv[1], int(sys.argv[2])
-    if config not in ("plain", "sampled", "unsampled"):
-        raise SystemExit("CONFIG must be plain, sampled or unsampled")
+    if config not in ("plain", "plain-eos", "sampled", "unsampled"):
+        raise SystemExit("CONFIG must be plain, plain-eos, sampled or unsampled")
     collected = callgrind_toggled.count(__file__, (config, str(n)))
     print(config, n, collected if collected is not None else "unknown")
     return 0

@@ -1,6 +1,7 @@
 """The workload the per-call callgrind scripts count (``callgrind_per_call.py``, ``callgrind_own_code.py``).
 
-The default tiny GPT-2 (random weights, seed 0), prompt 4, 128 new tokens, greedy, EOS off, one
+The default tiny GPT-2 (random weights, seed 0), prompt 4, 128 new tokens, greedy, EOS off (or,
+``eos``, the model's own EOS id, which its 128 greedy tokens from this prompt never hold), one
 torch thread; an SDK ``TracerProvider`` (``ALWAYS_ON`` or ``ALWAYS_OFF``) with a
 ``BatchSpanProcessor`` and a discarding exporter, and an SDK ``MeterProvider`` with an
 ``InMemoryMetricReader``.
@@ -22,10 +23,13 @@ NEW_TOKENS = 128
 WARMUP_CALLS = 20
 
 
-def tiny_gpt2_calls(sampled: bool, instrument: Optional[Dict[str, Any]]) -> Callable[[], None]:
+def tiny_gpt2_calls(sampled: bool, instrument: Optional[Dict[str, Any]], eos: bool = False) -> Callable[[], None]:
     """One ``generate()`` call followed by ``tracer_provider.force_flush()`` (so the export it
     causes is counted), as a function; ``instrument``: the ``instrument()`` options, or ``None``
-    for plain ``generate()``. Runs :data:`WARMUP_CALLS` warm-up calls and collects the metrics once before returning."""
+    for plain ``generate()``; ``eos``: generate with the model's EOS id (``EosTokenCriteria`` in
+    the criteria, as in production), else with none. Runs :data:`WARMUP_CALLS` warm-up calls and
+    collects the metrics once before returning. Raises ``SystemExit`` when a call does not
+    generate :data:`NEW_TOKENS` tokens."""
     import torch
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -34,7 +38,7 @@ def tiny_gpt2_calls(sampled: bool, instrument: Optional[Dict[str, Any]]) -> Call
     from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON
 
     from otel_generate import GenerateInstrumentor
-    from otel_generate.bench.models import build_model
+    from otel_generate.bench.models import EOS_TOKEN_ID, build_model
 
     class Discard(SpanExporter):
         def export(self, spans):
@@ -58,11 +62,18 @@ def tiny_gpt2_calls(sampled: bool, instrument: Optional[Dict[str, Any]]) -> Call
     ids = torch.randint(1, 126, (1, 4), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
 
-    def call() -> None:
-        model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=None, do_sample=False)
+    eos_token_id = EOS_TOKEN_ID if eos else None
+
+    def call() -> Any:
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos_token_id, do_sample=False
+        )
         tracer_provider.force_flush()
+        return out
 
     for _ in range(WARMUP_CALLS):
-        call()
+        out = call()
+    if out.shape[-1] - ids.shape[-1] != NEW_TOKENS or (eos and EOS_TOKEN_ID in out[0, ids.shape[-1] :].tolist()):
+        raise SystemExit(f"the workload generated {out.shape[-1] - ids.shape[-1]} tokens, {NEW_TOKENS} expected")
     reader.get_metrics_data()
     return call

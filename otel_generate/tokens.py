@@ -110,12 +110,21 @@ def counts_from_done(
     if stacked.dim() != 2 or stacked.shape[1] != rows:
         return None
     # A user criterion returning a LongTensor makes the list return long values (bool | long), not
-    # only 0/1: a row is done at its first nonzero step, so reduce truth values, not the values.
-    marked = stacked.bool().long()
-    # per row: whether a step marked it done, and the first step that did (argmax: first maximum)
-    ended, first = torch.stack([marked.amax(dim=0), marked.argmax(dim=0)]).cpu().tolist()
+    # only 0/1: a row is done at its first nonzero step, so truth values are searched, not the values.
+    if stacked.dtype != torch.bool:
+        stacked = stacked.bool()
     width = int(sequences.shape[-1]) - prompt_length
-    return [min(max(lengths[step] - prompt_length, 0), width) if stop else width for stop, step in zip(ended, first)]
+    counts = []
+    # one row's marks, step by step, as Python bools (one copy from the device): its first True,
+    # found by list.index in C (a tensor op per row or per reduction costs about 10,000 instructions)
+    for marks in stacked.t().tolist():
+        try:
+            step = marks.index(True)
+        except ValueError:  # never marked done: the whole continuation
+            counts.append(width)
+        else:
+            counts.append(min(max(lengths[step] - prompt_length, 0), width))
+    return counts
 
 
 def count_input_tokens(

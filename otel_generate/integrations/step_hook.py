@@ -7,8 +7,9 @@ new token(s) were appended (``GenerationMixin._sample``, ``_beam_search``,
 replaced by a :class:`RecordingCriteriaList` (same criteria, same result) whose call, after the
 criteria ran, hands ``input_ids`` and the per-row ``is_done`` tensor to a :class:`StepRecorder`:
 it waits for the device (when a synchronize function is given), reads the monotonic clock and
-appends. Where a step is nothing but the clock read and the two appends (no device to wait for,
-no row that may stop before the others, no callback), the list appends them itself; where, in
+appends (the ``is_done`` tensor too where a row may stop before the others). Where a step is
+nothing but the clock read and the appends (no device to wait for, no callback), the list
+appends them itself; where, in
 addition, the loop is transformers' own greedy or sampling loop (``one_token_steps``: it appends
 exactly one token per row before each call), the length is not read at all: after step ``i`` it
 is the prompt width plus ``i + 1`` (:meth:`StepRecorder.step_lengths`; the accounting checks it
@@ -44,6 +45,13 @@ def rows_may_end_apart(criteria) -> bool:
     stopping step need recording (:class:`StepRecorder` ``keep_done``); otherwise every row runs
     to the last step."""
     return any(type(criterion) not in _ALL_ROWS_AT_ONCE for criterion in criteria)
+
+
+#: :meth:`StepRecorder.plain_appends`: (append time, append length or ``None``, clock, append
+#: ``is_done`` or ``None``)
+PlainAppends = Tuple[
+    Callable[[int], None], Optional[Callable[[int], None]], Callable[[], int], Optional[Callable[[Any], None]]
+]
 
 
 class StepRecorder:
@@ -97,21 +105,19 @@ class StepRecorder:
         self._one_token_steps = one_token_steps
         self.implied_lengths = False
 
-    def plain_appends(
-        self,
-    ) -> Optional[Tuple[Callable[[int], None], Optional[Callable[[int], None]], Callable[[], int]]]:
-        """``(append time, append length, clock)`` when a step is nothing but those two appends
-        (no synchronize, no ``is_done`` kept, no callback, no candidate calls to skip), else
-        ``None``. The length's append is ``None`` when the lengths are implied instead
-        (``one_token_steps``; from then on :attr:`implied_lengths`)."""
-        if self._sync is not None or self._append_done is not None or self._on_step is not None:
+    def plain_appends(self) -> Optional[PlainAppends]:
+        """``(append time, append length, clock, append is_done)`` when a step is nothing but
+        those appends (no synchronize, no callback, no candidate calls to skip), else ``None``. The
+        length's append is ``None`` when the lengths are implied instead (``one_token_steps``; from
+        then on :attr:`implied_lengths`); the ``is_done`` append is ``None`` unless ``keep_done``."""
+        if self._sync is not None or self._on_step is not None:
             return None
         if self._skip_candidate_calls or self.fault is not None:
             return None
         if self._one_token_steps and not self.lengths:
             self.implied_lengths = True
-            return self._append_time, None, self._clock
-        return self._append_time, self._append_length, self._clock
+            return self._append_time, None, self._clock, self._append_done
+        return self._append_time, self._append_length, self._clock, self._append_done
 
     def step_lengths(self) -> List[int]:
         """The sequence length after each recorded step (prompt included), one per time in
@@ -215,9 +221,9 @@ class RecordingCriteriaList(StoppingCriteriaList):
     def __init__(self, criteria, recorder: StepRecorder) -> None:
         super().__init__(criteria)
         self.recorder = recorder
-        #: the recorder's (append time, append length, clock) when a step is only those two
-        #: appends (no device to wait for, no ``is_done`` kept, no callback, no candidate calls to
-        #: skip): then this call appends them itself, the recorder's own call saved
+        #: the recorder's (append time, append length, clock, append is_done) when a step is only
+        #: those appends (no device to wait for, no callback, no candidate calls to skip): then this
+        #: call appends them itself, the recorder's own call saved
         self._plain = recorder.plain_appends()
         #: the same, where ``StoppingCriteriaList.__call__`` is now the code this call repeats
         #: inline (read when the list is built: a patch of it takes effect from the next request)
@@ -243,11 +249,13 @@ class RecordingCriteriaList(StoppingCriteriaList):
             if plain is None or self.recorder.fault is not None:  # (a copy of this list may have faulted)
                 self.recorder(input_ids, is_done)
                 return is_done
-        append_time, append_length, clock = plain
+        append_time, append_length, clock, append_done = plain
         try:
             append_time(clock())
             if append_length is not None:  # (None: the lengths are implied, one token a step)
                 append_length(input_ids.shape[-1])
+            if append_done is not None:  # (None: no row may stop before the others)
+                append_done(is_done)
         except Exception as exc:  # never break generation: the recorder stops, as after its own fault
             self._plain = self._inline = None
             self.recorder._fail(exc)

@@ -658,22 +658,29 @@ def test_rows_may_end_apart_only_with_a_criterion_that_stops_rows_one_by_one():
     assert rows_may_end_apart([Budget(8)]) and rows_may_end_apart([MaxLengthCriteria(8), CountCalls()])
 
 
-def test_a_step_is_recorded_by_the_list_itself_unless_a_row_may_stop_early(
+def test_a_step_is_recorded_by_the_list_itself_keeping_is_done_only_when_a_row_may_stop_early(
     instrumented, span_exporter, gpt2, recording_lists
 ):
-
     lists = recording_lists
     ids, mask = prompt(seed=17, batch=2)
+    # with the EOS, row 0 ends at its third new token, two steps before row 1
+    force = LogitsProcessorList([ForceAt(ids.shape[-1], row=0, at=2)])
     outputs = [
-        gpt2.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=eos, pad_token_id=PAD_TOKEN_ID)
-        for eos in (None, EOS_TOKEN_ID)
+        gpt2.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=eos, pad_token_id=PAD_TOKEN_ID, **kwargs)
+        for eos, kwargs in ((None, {}), (EOS_TOKEN_ID, {"logits_processor": force}))
     ]
     plain, keeping = lists
     assert plain._plain is not None and plain.recorder.done == []
     # greedy: transformers' own loop appends one token a step, so the plain path reads no length
     assert plain.recorder.implied_lengths and plain.recorder.lengths == []
-    assert keeping._plain is None and len(keeping.recorder.done) == len(keeping.recorder.lengths) > 0
-    assert not keeping.recorder.implied_lengths
+    # with an EOS the list keeps each step's is_done too, still without the recorder's call
+    assert keeping._plain is not None and keeping.recorder.implied_lengths
+    steps = keeping.recorder.step_lengths()
+    assert len(keeping.recorder.done) == len(steps) == len(keeping.recorder.times_ns) > 0
+    for length, done in zip(steps, keeping.recorder.done):  # what the criteria said at that step
+        expected_done = StoppingCriteriaList(list(keeping))(outputs[1][:, :length], None)
+        assert done.dtype == torch.bool and done.tolist() == expected_done.tolist()
+    assert [done[0].item() for done in keeping.recorder.done].index(True) == 2
     for output, criteria, span in zip(outputs, lists, request_spans(span_exporter)):
         steps = output.shape[-1] - ids.shape[-1]
         assert criteria.recorder.step_lengths() == list(range(ids.shape[-1] + 1, output.shape[-1] + 1))

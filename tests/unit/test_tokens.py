@@ -1,0 +1,57 @@
+"""Token accounting from tensors (:mod:`otel_generate.tokens`), against plain-Python references."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from otel_generate.tokens import counts_from_done
+
+
+def first_marked_counts(marks, lengths, prompt_length, width):
+    """What a row's count is, per ``counts_from_done``'s docstring, computed per value in Python:
+    the length after the first step whose mark is nonzero, less the prompt, clamped to the
+    continuation; the whole continuation when no step marked the row."""
+    counts = []
+    for row in range(len(marks[0])):
+        step = next((index for index, step_marks in enumerate(marks) if step_marks[row] != 0), None)
+        counts.append(width if step is None else min(max(lengths[step] - prompt_length, 0), width))
+    return counts
+
+
+@st.composite
+def done_lists(draw):
+    rows = draw(st.integers(1, 4))
+    steps = draw(st.integers(1, 24))
+    long_valued = draw(st.booleans())  # a user criterion's LongTensor: bool | long gives long values
+    values = st.integers(0, 3) if long_valued else st.booleans()
+    marks = draw(st.lists(st.lists(values, min_size=rows, max_size=rows), min_size=steps, max_size=steps))
+    prompt_length = draw(st.integers(0, 6))
+    # one token a step, or a step that appended several (assisted decoding), from the prompt on
+    grown = draw(st.lists(st.integers(1, 3), min_size=steps, max_size=steps))
+    lengths = [prompt_length + sum(grown[: index + 1]) for index in range(steps)]
+    total = prompt_length + draw(st.integers(0, lengths[-1] - prompt_length + 2))
+    return marks, lengths, prompt_length, total, long_valued
+
+
+@settings(max_examples=200, deadline=None)
+@given(done_lists())
+def test_counts_from_done_is_each_rows_first_marked_step(case):
+    marks, lengths, prompt_length, total, long_valued = case
+    dtype = torch.long if long_valued else torch.bool
+    done = [torch.tensor(step_marks, dtype=dtype) for step_marks in marks]
+    sequences = torch.zeros((len(marks[0]), total), dtype=torch.long)
+    expected = first_marked_counts(marks, lengths, prompt_length, total - prompt_length)
+    assert counts_from_done(done, lengths, prompt_length, sequences) == expected
+
+
+def test_counts_from_done_declines_steps_that_do_not_line_up():
+    sequences = torch.zeros((2, 8), dtype=torch.long)
+    two_rows = torch.tensor([False, True])
+    # steps of different shapes, a step for the wrong number of rows, a step per length missing
+    assert counts_from_done([two_rows, torch.tensor([True])], [5, 6], 4, sequences) is None
+    assert counts_from_done([torch.tensor([True, False, False])], [5], 4, sequences) is None
+    assert counts_from_done([two_rows], [5, 6], 4, sequences) is None
+    assert counts_from_done([], [], 4, sequences) is None
+    assert counts_from_done([torch.tensor([[True, False]])], [5], 4, sequences) is None
