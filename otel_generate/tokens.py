@@ -114,17 +114,19 @@ def counts_from_done(
     if stacked.dtype != torch.bool:
         stacked = stacked.bool()
     width = int(sequences.shape[-1]) - prompt_length
-    counts = []
-    # one row's marks, step by step, as Python bools (one copy from the device): its first True,
-    # found by list.index in C (a tensor op per row or per reduction costs about 10,000 instructions)
-    for marks in stacked.t().tolist():
+    if rows == 1:
+        # a batch of one: its marks as Python bools in one copy from the device, the first True found
+        # by list.index in C (each tensor reduction below costs about 10,000 instructions; with
+        # many rows they cost less than a list of every row's marks)
         try:
-            step = marks.index(True)
+            step = stacked.view(-1).tolist().index(True)
         except ValueError:  # never marked done: the whole continuation
-            counts.append(width)
-        else:
-            counts.append(min(max(lengths[step] - prompt_length, 0), width))
-    return counts
+            return [width]
+        return [min(max(lengths[step] - prompt_length, 0), width)]
+    marked = stacked.long()
+    # per row: whether a step marked it done, and the first step that did (argmax: first maximum)
+    ended, first = torch.stack([marked.amax(dim=0), marked.argmax(dim=0)]).cpu().tolist()
+    return [min(max(lengths[step] - prompt_length, 0), width) if stop else width for stop, step in zip(ended, first)]
 
 
 def count_input_tokens(
