@@ -279,8 +279,11 @@ def account_loop(loop: Any, call_result: Any, exc: Optional[BaseException]) -> N
             per_sequence = count_new_tokens(sequences, prompt_length, eos, None if strategy in BEAM else pad)
         loop.per_sequence = per_sequence
         loop.output_tokens = int(sum(per_sequence))
-        stop_criteria, deadlines = _stop_string_and_time_criteria(loop.criteria)
+        stop_criteria, deadlines, own_only = _stop_string_and_time_criteria(loop.criteria)
         last_step_wall_s = call.request.wall_ns(times[-1]) / clock.NS_PER_S if times and deadlines and lengths else None
+        out_of_time = rows_out_of_time(
+            last_step_wall_s, deadlines, lengths, prompt_length, per_sequence, own_criteria_only=own_only
+        )
         loop.finish_reasons = finish_reasons(
             sequences,
             prompt_length,
@@ -288,8 +291,10 @@ def account_loop(loop: Any, call_result: Any, exc: Optional[BaseException]) -> N
             max_new,
             eos,
             forced_eos_token_id=getattr(config, "forced_eos_token_id", None),
-            budget_rows=rows_out_of_time(last_step_wall_s, deadlines, lengths, prompt_length, per_sequence),
-            stopped_rows=rows_at_a_stop_string(stop_criteria, sequences, prompt_length, per_sequence, max_new),
+            budget_rows=out_of_time,
+            stopped_rows=rows_at_a_stop_string(
+                stop_criteria, sequences, prompt_length, per_sequence, max_new, running=out_of_time if own_only else ()
+            ),
         )
     if config is not None:
         _config_parameters(params, config, max_new)
@@ -322,37 +327,59 @@ def _config_parameters(params: Dict[str, Any], config: Any, max_new: Any) -> Non
         )
 
 
-#: ``(StopStringCriteria, MaxTimeCriteria)``, imported with the first criteria list accounted (an
-#: import statement per request costs about as much as the rest of this function)
+#: ``(StopStringCriteria, MaxTimeCriteria, the four criteria types generate() builds itself)``,
+#: imported with the first criteria list accounted (an import statement per request costs about as
+#: much as the rest of this function)
 _criteria_types: Optional[tuple] = None
 
 
 def _stop_string_and_time_criteria(criteria: Any) -> tuple:
-    """The ``StopStringCriteria`` of a loop's criteria list, and its ``MaxTimeCriteria`` deadlines
-    (wall-clock seconds); empty without a criteria list (then transformers is not imported here)."""
+    """The ``StopStringCriteria`` of a loop's criteria list, its ``MaxTimeCriteria`` deadlines
+    (wall-clock seconds), and whether every criterion in it is one of the four that
+    ``generate()`` builds from its config (``MaxLengthCriteria``, ``MaxTimeCriteria``,
+    ``StopStringCriteria``, ``EosTokenCriteria``; exactly those types, not a subclass); empty and
+    ``False`` without a criteria list (then transformers is not imported here)."""
     global _criteria_types
     if criteria is None:
-        return [], []
+        return [], [], False
     if _criteria_types is None:
-        from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
+        from transformers.generation.stopping_criteria import (
+            EosTokenCriteria,
+            MaxLengthCriteria,
+            MaxTimeCriteria,
+            StopStringCriteria,
+        )
 
-        _criteria_types = (StopStringCriteria, MaxTimeCriteria)
-    stop_type, time_type = _criteria_types
+        _criteria_types = (
+            StopStringCriteria,
+            MaxTimeCriteria,
+            frozenset((MaxLengthCriteria, MaxTimeCriteria, StopStringCriteria, EosTokenCriteria)),
+        )
+    stop_type, time_type, own_types = _criteria_types
     stop = [c for c in criteria if isinstance(c, stop_type)]
     deadlines = [c.initial_timestamp + c.max_time for c in criteria if isinstance(c, time_type)]
-    return stop, deadlines
+    return stop, deadlines, all(type(c) in own_types for c in criteria)
 
 
 def rows_at_a_stop_string(
-    stop_criteria: Sequence[Any], sequences: Any, prompt_length: int, counts: List[int], max_new: Any
+    stop_criteria: Sequence[Any],
+    sequences: Any,
+    prompt_length: int,
+    counts: List[int],
+    max_new: Any,
+    running: Sequence[int] = (),
 ) -> List[int]:
-    """Rows that used their whole budget and whose last token also completed a stop string: the
-    stop string ended them (each ``StopStringCriteria`` in ``stop_criteria`` is asked once more on
-    the final ``(rows, length)`` sequences; it has no state)."""
-    if not stop_criteria or max_new is None:
+    """Rows that used their whole budget (or, ``running``, rows ``max_time`` may have ended) and
+    whose last token also completed a stop string: the stop string ended them (each
+    ``StopStringCriteria`` in ``stop_criteria`` is asked once more on the final ``(rows, length)``
+    sequences; it has no state)."""
+    if not stop_criteria or (max_new is None and not running):
         return []
+    width = sequences.shape[-1]
     full = [
-        row for row, count in enumerate(counts) if count >= max_new and prompt_length + count == sequences.shape[-1]
+        row
+        for row, count in enumerate(counts)
+        if ((max_new is not None and count >= max_new) or row in running) and prompt_length + count == width
     ]
     if not full:
         return []
@@ -369,6 +396,7 @@ def rows_out_of_time(
     lengths: List[int],
     prompt_length: int,
     counts: List[int],
+    own_criteria_only: bool = False,
 ) -> List[int]:
     """Rows that ``max_time`` ended: still running at the last step, which ended after the deadline.
 
@@ -376,10 +404,18 @@ def rows_out_of_time(
     max_time``; the step's clock read follows the criteria's, so a last step that ended (at
     ``last_step_wall_s``, wall-clock seconds) after the earliest of ``deadlines`` is the one
     ``max_time`` ended. ``lengths``: the sequence length after each step (prompt included).
+
+    ``own_criteria_only``: every criterion is one ``generate()`` builds from its config
+    (:func:`_stop_string_and_time_criteria`). Then the clocks are not compared: a row still running
+    at the last step was ended there by its EOS, its token budget, a stop string or ``max_time``,
+    and :func:`~otel_generate.tokens.finish_reasons` tells the first three apart from the tokens
+    (with ``rows_at_a_stop_string``'s ``running``). The step's time converted to the wall clock can
+    read before the deadline the criteria saw passed: the wall clock may be stepped or slewed
+    against the monotonic one during the request (seen on these VMs: up to 0.5 ms).
     """
-    if last_step_wall_s is None or not deadlines or not lengths:
+    if not deadlines or not lengths:
         return []
-    if last_step_wall_s <= min(deadlines):
+    if not own_criteria_only and (last_step_wall_s is None or last_step_wall_s <= min(deadlines)):
         return []
     last = lengths[-1] - prompt_length
     return [row for row, count in enumerate(counts) if count >= last]

@@ -39,6 +39,36 @@ def test_max_time_ending_a_batch_is_length(instrumented, span_exporter, gpt2):
     assert request.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 2 * new
 
 
+def test_max_time_is_length_when_the_wall_clock_runs_ahead_of_the_monotonic_one(
+    instrumented, span_exporter, gpt2, monkeypatch
+):
+    """The VM's wall clock can be stepped against the monotonic clock during a request: here
+    ``MaxTimeCriteria`` reads a wall clock 50 ms ahead of the one the request's step times are
+    converted to, so the last step reads as ending before the deadline the criteria saw passed.
+    With only the criteria generate() builds itself, what else ended a row is told from its
+    tokens, not from the clocks."""
+    from types import SimpleNamespace
+
+    from transformers.generation import stopping_criteria
+
+    real_time = time.time
+    monkeypatch.setattr(stopping_criteria, "time", SimpleNamespace(time=lambda: real_time() + 0.05))
+    ids, mask = prompt(batch=2, length=4, seed=30)
+    out = gpt2.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=400,
+        max_time=0.3,
+        eos_token_id=None,
+        logits_processor=LogitsProcessorList([SleepEachStep(0.005)]),
+    )
+    new = out.shape[1] - 4
+    assert 1 <= new < 400  # max_time, not the token budget, ended it
+    request = only_request(span_exporter)
+    assert request.attributes[A.GEN_AI_RESPONSE_FINISH_REASONS] == ("length", "length")
+    assert request.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 2 * new
+
+
 def test_forced_eos_at_the_last_budget_position_is_length(instrumented, span_exporter, gpt2):
     ids, mask = prompt(length=4, seed=31)
     forced = 126  # the built gpt2 never emits it on this prompt by itself (checked below)

@@ -236,6 +236,9 @@ def test_a_stop_string_on_the_last_budget_position_is_stop():
     assert accounting.rows_at_a_stop_string([_StopAtNine()], sequences, 3, counts, None) == []
     # a row that ended before its budget is not the stop string's to claim here
     assert accounting.rows_at_a_stop_string([_StopAtNine()], sequences, 3, [1, 2], 2) == []
+    # unless max_time may have ended it at the last step (running): then the stop string did
+    assert accounting.rows_at_a_stop_string([_StopAtNine()], sequences, 3, counts, None, running=[0, 1]) == stopped
+    assert accounting.rows_at_a_stop_string([_StopAtNine()], sequences, 3, counts, 5, running=[0]) == stopped
     from otel_generate.tokens import finish_reasons
 
     assert finish_reasons(sequences, 3, counts, 2, eos_token_id=None, stopped_rows=stopped) == [
@@ -252,6 +255,11 @@ def test_max_time_ends_the_rows_still_running_at_a_late_last_step():
     assert accounting.rows_out_of_time(12.5, [13.0, 12.0], lengths, 3, counts) == [1, 2]  # the earliest
     assert accounting.rows_out_of_time(None, [12.0], lengths, 3, counts) == []
     assert accounting.rows_out_of_time(12.5, [], lengths, 3, counts) == []
+    # only the criteria generate() builds: the rows still running at the last step, whatever the
+    # step's converted time reads (the wall clock may have been stepped during the request)
+    assert accounting.rows_out_of_time(11.9, [12.0], lengths, 3, counts, own_criteria_only=True) == [1, 2]
+    assert accounting.rows_out_of_time(None, [12.0], lengths, 3, counts, own_criteria_only=True) == [1, 2]
+    assert accounting.rows_out_of_time(11.9, [], lengths, 3, counts, own_criteria_only=True) == []
     from otel_generate.tokens import finish_reasons
 
     sequences = torch.tensor([PROMPT[0] + [EOS, PAD, PAD], PROMPT[1] + [5, 6, 7], PROMPT[1] + [5, 6, 7]])
