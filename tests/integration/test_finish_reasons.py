@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
@@ -21,39 +22,22 @@ class SleepEachStep(LogitsProcessor):
         return scores
 
 
-def test_max_time_ending_a_batch_is_length(instrumented, span_exporter, gpt2):
+@pytest.mark.parametrize("wall_clock_ahead_s", [0.0, 0.05], ids=["clocks_agree", "wall_clock_ahead"])
+def test_max_time_ending_a_batch_is_length(instrumented, span_exporter, gpt2, monkeypatch, wall_clock_ahead_s):
+    """``max_time`` ends the rows still running: ``length``. The VM's wall clock can be stepped
+    against the monotonic clock during a request: with ``wall_clock_ahead``, ``MaxTimeCriteria``
+    reads a wall clock 50 ms ahead of the one the request's step times are converted to, so the
+    last step reads as ending before the deadline the criteria saw passed. With only the criteria
+    generate() builds itself, what else ended a row is told from its tokens, not from the clocks."""
+    if wall_clock_ahead_s:
+        from types import SimpleNamespace
+
+        from transformers.generation import stopping_criteria
+
+        real_time = time.time
+        monkeypatch.setattr(stopping_criteria, "time", SimpleNamespace(time=lambda: real_time() + wall_clock_ahead_s))
     ids, mask = prompt(batch=2, length=4, seed=30)
     # 400 steps of at least 5 ms cannot finish in 0.3 s, however fast the machine
-    out = gpt2.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=400,
-        max_time=0.3,
-        eos_token_id=None,
-        logits_processor=LogitsProcessorList([SleepEachStep(0.005)]),
-    )
-    new = out.shape[1] - 4
-    assert 1 <= new < 400  # max_time, not the token budget, ended it
-    request = only_request(span_exporter)
-    assert request.attributes[A.GEN_AI_RESPONSE_FINISH_REASONS] == ("length", "length")
-    assert request.attributes[A.GEN_AI_USAGE_OUTPUT_TOKENS] == 2 * new
-
-
-def test_max_time_is_length_when_the_wall_clock_runs_ahead_of_the_monotonic_one(
-    instrumented, span_exporter, gpt2, monkeypatch
-):
-    """The VM's wall clock can be stepped against the monotonic clock during a request: here
-    ``MaxTimeCriteria`` reads a wall clock 50 ms ahead of the one the request's step times are
-    converted to, so the last step reads as ending before the deadline the criteria saw passed.
-    With only the criteria generate() builds itself, what else ended a row is told from its
-    tokens, not from the clocks."""
-    from types import SimpleNamespace
-
-    from transformers.generation import stopping_criteria
-
-    real_time = time.time
-    monkeypatch.setattr(stopping_criteria, "time", SimpleNamespace(time=lambda: real_time() + 0.05))
-    ids, mask = prompt(batch=2, length=4, seed=30)
     out = gpt2.generate(
         ids,
         attention_mask=mask,
