@@ -176,9 +176,7 @@ def child(config: str, n: int, folder: str) -> None:
         from otel_generate import clock
 
         clock.monotonic_ns = steady_clock()
-    options = {"max_step_spans": 0} if config.startswith("step-spans-off") else {}
-    eos = config.endswith("-eos")
-    call = callgrind_workload.tiny_gpt2_calls(config != "unsampled", options, eos)  # (its warm-up calls)
+    call = callgrind_workload.calls_for(config)  # (its warm-up calls)
     gc.collect()
     gc.disable()  # a collection would land in whichever code allocates when the threshold is crossed
     CALLS.update(outer=0, inner=0)

@@ -24,8 +24,7 @@ import callgrind_workload  # noqa: E402
 
 
 def child(config: str, n: int, folder: str) -> None:
-    plain = config in ("plain", "plain-eos")
-    call = callgrind_workload.tiny_gpt2_calls(config != "unsampled", None if plain else {}, config == "plain-eos")
+    call = callgrind_workload.calls_for(config)  # (its warm-up calls)
     callgrind_toggled.counted_stretch(folder, lambda: [call() for _ in range(n)])
 
 

@@ -112,9 +112,7 @@ def child(config: str, pieces: str, n: int, folder: str) -> None:
         callgrind_toggled.counted_stretch(folder, lambda: [wrapped() for _ in range(n)])
     else:
         install(pieces)
-        options = {"max_step_spans": 0} if config.startswith("step-spans-off") else {}
-        eos = config.endswith("-eos")
-        call = callgrind_workload.tiny_gpt2_calls(config != "unsampled", options, eos)  # (its warm-up calls)
+        call = callgrind_workload.calls_for(config)  # (its warm-up calls)
         gc.collect()
         gc.disable()
         del NAMES[:]

@@ -9,7 +9,7 @@ torch thread; an SDK ``TracerProvider`` (``ALWAYS_ON`` or ``ALWAYS_OFF``) with a
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 NEW_TOKENS = 128
 #: Calls made before :func:`tiny_gpt2_calls` returns. CPython 3.11 specializes a function's code
@@ -77,3 +77,21 @@ def tiny_gpt2_calls(sampled: bool, instrument: Optional[Dict[str, Any]], eos: bo
         raise SystemExit(f"the workload generated {out.shape[-1] - ids.shape[-1]} tokens, {NEW_TOKENS} expected")
     reader.get_metrics_data()
     return call
+
+
+#: the configurations the callgrind scripts name: (sampled, ``instrument()`` options or ``None``
+#: for plain ``generate()``, the model's EOS id on)
+CONFIGURATIONS: Dict[str, Tuple[bool, Optional[Dict[str, Any]], bool]] = {
+    "plain": (True, None, False),
+    "plain-eos": (True, None, True),
+    "unsampled": (False, {}, False),  # ALWAYS_OFF
+    "sampled": (True, {}, False),  # ALWAYS_ON, every step a span
+    "step-spans-off": (True, {"max_step_spans": 0}, False),
+    "step-spans-off-eos": (True, {"max_step_spans": 0}, True),
+}
+
+
+def calls_for(config: str) -> Callable[[], None]:
+    """:func:`tiny_gpt2_calls` for a name of :data:`CONFIGURATIONS`. Raises ``KeyError`` for another."""
+    sampled, instrument, eos = CONFIGURATIONS[config]
+    return tiny_gpt2_calls(sampled, instrument, eos)
