@@ -24,6 +24,7 @@ the criteria's result is never touched.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import sys
 from typing import Any, Callable, List, Optional, Tuple
@@ -47,11 +48,15 @@ def rows_may_end_apart(criteria) -> bool:
     return any(type(criterion) not in _ALL_ROWS_AT_ONCE for criterion in criteria)
 
 
-#: :meth:`StepRecorder.plain_appends`: (append time, append length or ``None``, clock, append
-#: ``is_done`` or ``None``)
-PlainAppends = Tuple[
-    Callable[[int], None], Optional[Callable[[int], None]], Callable[[], int], Optional[Callable[[Any], None]]
-]
+#: :meth:`StepRecorder.plain_step`: ``[append time, clock, append length or None, append is_done
+#: or None]``, a list (read by one unpacking a step; emptied of effect by :func:`stop_plain_step`)
+PlainStep = List[Any]
+
+
+def stop_plain_step(step: PlainStep) -> None:
+    """Make every later step that reads ``step`` record nothing: ``append_time(clock())`` becomes
+    ``bool(int())``, two builtins that do nothing, and no length or ``is_done`` is appended."""
+    step[:] = [bool, int, None, None]
 
 
 class StepRecorder:
@@ -104,20 +109,28 @@ class StepRecorder:
         #: greedy and sampling loops): the length after step i is the prompt width plus i + 1
         self._one_token_steps = one_token_steps
         self.implied_lengths = False
+        self._plain_step: Optional[PlainStep] = None
 
-    def plain_appends(self) -> Optional[PlainAppends]:
-        """``(append time, append length, clock, append is_done)`` when a step is nothing but
-        those appends (no synchronize, no callback, no candidate calls to skip), else ``None``. The
-        length's append is ``None`` when the lengths are implied instead (``one_token_steps``; from
-        then on :attr:`implied_lengths`); the ``is_done`` append is ``None`` unless ``keep_done``."""
+    def plain_step(self) -> Optional[PlainStep]:
+        """This recorder's :data:`PlainStep` (one list, made at the first call, shared by every
+        list the recorder feeds) when a step is nothing but those appends (no synchronize, no
+        callback, no candidate calls to skip), else ``None``. Its length append is ``None`` when
+        the lengths are implied instead (``one_token_steps``; from then on :attr:`implied_lengths`);
+        its ``is_done`` append is ``None`` unless ``keep_done``. After a fault
+        (:func:`stop_plain_step`) it records nothing."""
+        if self._plain_step is not None:
+            return self._plain_step
         if self._sync is not None or self._on_step is not None:
             return None
         if self._skip_candidate_calls or self.fault is not None:
             return None
         if self._one_token_steps and not self.lengths:
             self.implied_lengths = True
-            return self._append_time, None, self._clock, self._append_done
-        return self._append_time, self._append_length, self._clock, self._append_done
+            length = None
+        else:
+            length = self._append_length
+        self._plain_step = [self._append_time, self._clock, length, self._append_done]
+        return self._plain_step
 
     def step_lengths(self) -> List[int]:
         """The sequence length after each recorded step (prompt included), one per time in
@@ -164,6 +177,8 @@ class StepRecorder:
         steps = len(self.times_ns) if self.implied_lengths else min(len(self.times_ns), len(self.lengths))
         del self.times_ns[steps:], self.lengths[steps:], self.done[steps:]
         self.fault = exc
+        if self._plain_step is not None:  # every list fed by this recorder stops recording
+            stop_plain_step(self._plain_step)
         self._on_fault(Fault.STEP_HOOK, exc)
 
 
@@ -209,54 +224,61 @@ class RecordingCriteriaList(StoppingCriteriaList):
     """A ``StoppingCriteriaList`` that reports each call to a :class:`StepRecorder`.
 
     It holds the same criteria and returns exactly what ``StoppingCriteriaList`` returns: a
-    BoolTensor ``(rows,)``, ``True`` where a row is done. On the plain path (:attr:`_plain`), where
-    the ``StoppingCriteriaList.__call__`` installed when the list was built is the known code
-    (:func:`criteria_call_known`), it runs that code in its own frame (:attr:`_inline`), then
-    appends; otherwise it calls it. A patch of ``StoppingCriteriaList.__call__`` made while a
-    request is decoding is therefore followed from the next request on (transformers would call it
-    from the next step); one made between requests is called by the next request. Checking at
-    every call would cost about half of what the inline path saves.
+    BoolTensor ``(rows,)``, ``True`` where a row is done. On the plain path (:attr:`_plain`: a step
+    is nothing but the appends of a :data:`PlainStep`), where the ``StoppingCriteriaList.__call__``
+    installed when the list was built is the known code (:func:`criteria_call_known`), it runs that
+    code in its own frame (:attr:`_inline`), then appends; otherwise it calls it. A patch of
+    ``StoppingCriteriaList.__call__`` made while a request is decoding is therefore followed from
+    the next request on (transformers would call it from the next step); one made between requests
+    is called by the next request. Checking at every call would cost about half of what the inline
+    path saves. A call with keywords (transformers passes none) always takes the call path.
     """
 
     def __init__(self, criteria, recorder: StepRecorder) -> None:
         super().__init__(criteria)
         self.recorder = recorder
-        #: the recorder's (append time, append length, clock, append is_done) when a step is only
-        #: those appends (no device to wait for, no callback, no candidate calls to skip): then this
-        #: call appends them itself, the recorder's own call saved
-        self._plain = recorder.plain_appends()
+        #: the recorder's :data:`PlainStep` when a step is only its appends (no device to wait
+        #: for, no callback, no candidate calls to skip): then this call appends them itself, the
+        #: recorder's own call saved
+        self._plain = recorder.plain_step()
         #: the same, where ``StoppingCriteriaList.__call__`` is now the code this call repeats
         #: inline (read when the list is built: a patch of it takes effect from the next request)
         self._inline = self._plain if criteria_call_known() else None
 
+    def __deepcopy__(self, memo):
+        """A copy (transformers' ``validate_stopping_criteria`` deep-copies a criteria list) holds
+        copies of the criteria and feeds the same recorder through the same :data:`PlainStep`, so
+        that a fault in either stops both."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        list.extend(copied, copy.deepcopy(list(self), memo))
+        vars(copied).update(vars(self))
+        return copied
+
     def __call__(self, input_ids, scores, **kwargs):
-        plain = self._inline
-        if plain is not None and self.recorder.fault is None:
+        step = self._inline
+        if step is not None and not kwargs:
             # StoppingCriteriaList.__call__'s own code (criteria_call_known), without the call
+            # (how transformers calls it: no keyword, so a plain call, not one unpacking a dict)
             is_done = torch.full((input_ids.shape[0],), False, device=input_ids.device, dtype=torch.bool)
-            if kwargs:
-                for criteria in self:
-                    is_done = is_done | criteria(input_ids, scores, **kwargs)
-            else:  # (how transformers calls it: no keyword, so a plain call, not one unpacking a dict)
-                for criteria in self:
-                    is_done = is_done | criteria(input_ids, scores)
+            for criteria in self:
+                is_done = is_done | criteria(input_ids, scores)
         else:
             if kwargs:
                 is_done = StoppingCriteriaList.__call__(self, input_ids, scores, **kwargs)
-            else:  # (how transformers calls it: no keyword to pass on)
+            else:  # (no keyword to pass on)
                 is_done = StoppingCriteriaList.__call__(self, input_ids, scores)
-            plain = self._plain
-            if plain is None or self.recorder.fault is not None:  # (a copy of this list may have faulted)
+            step = self._plain
+            if step is None:  # a device to wait for, a callback, candidate calls to skip
                 self.recorder(input_ids, is_done)
                 return is_done
-        append_time, append_length, clock, append_done = plain
+        append_time, clock, append_length, append_done = step
         try:
-            append_time(clock())
+            append_time(clock())  # (after a fault, stop_plain_step made these two do nothing)
             if append_length is not None:  # (None: the lengths are implied, one token a step)
                 append_length(input_ids.shape[-1])
             if append_done is not None:  # (None: no row may stop before the others)
                 append_done(is_done)
-        except Exception as exc:  # never break generation: the recorder stops, as after its own fault
-            self._plain = self._inline = None
+        except Exception as exc:  # never break generation: the recorder stops, and every list it feeds
             self.recorder._fail(exc)
         return is_done

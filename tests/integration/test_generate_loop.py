@@ -1020,6 +1020,33 @@ def test_a_criterion_that_raises_raises_through_the_inline_call_unrecorded():
     assert recording.recorder.times_ns == [] and recording.recorder.fault is None
 
 
+def test_a_fault_on_the_inline_path_stops_the_list_and_its_copies():
+    """A copy of the list (``deepcopy``) feeds the same recorder through the same step appends: a
+    fault in one stops both, every later call still returns the criteria's answer, and the recorder
+    keeps what it held before the fault."""
+    import copy
+
+    from transformers.generation.stopping_criteria import MaxLengthCriteria
+
+    recording = _recording_list([MaxLengthCriteria(max_length=5)])
+    twin = copy.deepcopy(recording)
+    assert recording._inline is not None and twin._inline is recording._inline and twin.recorder is recording.recorder
+    ids = torch.zeros((2, 4), dtype=torch.long)
+    recording(ids, None)
+    twin(ids, None)
+    assert len(recording.recorder.times_ns) == 2
+
+    def broken():
+        raise OSError("clock went away")
+
+    recording._inline[1] = broken
+    assert recording(ids, None).tolist() == [False, False]
+    assert isinstance(recording.recorder.fault, OSError)
+    for listed in (recording, twin):
+        assert listed(torch.zeros((2, 5), dtype=torch.long), None).tolist() == [True, True]
+    assert len(recording.recorder.times_ns) == 2 and recording.recorder.step_lengths() == [4, 5]
+
+
 @pytest.mark.parametrize("change", ["other code", "wrapped"])
 def test_a_criteria_call_other_than_the_known_code_is_called_not_repeated(change, monkeypatch):
     import functools
