@@ -356,9 +356,23 @@ def _stop_string_and_time_criteria(criteria: Any) -> tuple:
             frozenset((MaxLengthCriteria, MaxTimeCriteria, StopStringCriteria, EosTokenCriteria)),
         )
     stop_type, time_type, own_types = _criteria_types
-    stop = [c for c in criteria if isinstance(c, stop_type)]
-    deadlines = [c.initial_timestamp + c.max_time for c in criteria if isinstance(c, time_type)]
-    return stop, deadlines, all(type(c) in own_types for c in criteria)
+    stop: List[Any] = []
+    deadlines: List[float] = []
+    own = True
+    for criterion in criteria:  # (one pass: a list has one to three criteria)
+        kind = type(criterion)
+        if kind in own_types:  # (told by the type alone: isinstance of an ABC runs Python code)
+            if kind is stop_type:
+                stop.append(criterion)
+            elif kind is time_type:
+                deadlines.append(criterion.initial_timestamp + criterion.max_time)
+            continue
+        own = False
+        if isinstance(criterion, stop_type):
+            stop.append(criterion)
+        if isinstance(criterion, time_type):
+            deadlines.append(criterion.initial_timestamp + criterion.max_time)
+    return stop, deadlines, own
 
 
 def rows_at_a_stop_string(
