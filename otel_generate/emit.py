@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -33,7 +33,7 @@ from otel_generate import attributes as A
 from otel_generate import telemetry as _telemetry
 from otel_generate._faults import Fault, error_type, log_fault_once
 from otel_generate.derive import Summary, derive
-from otel_generate.fast_metrics import attributes_key, extended_key
+from otel_generate.fast_metrics import attributes_key, extended_key, record_values
 from otel_generate.fast_spans import fast_eligible, set_request_attributes
 from otel_generate.record import GenerationRecord
 from otel_generate.request import Request
@@ -377,6 +377,39 @@ def _emit_details_event(logger: Any, span: Any, request: Request, summary: Optio
     logger.emit(record)
 
 
+#: (model, error type) -> :func:`_metric_attributes` (at most :data:`_METRIC_ATTRIBUTE_SETS` of them)
+_metric_attribute_sets: Dict[Tuple[str, Optional[str]], tuple] = {}
+_METRIC_ATTRIBUTE_SETS = 64
+
+
+def _metric_attributes(model: str, error_type: Optional[str]) -> tuple:
+    """``(base, key, input usage, its key, output usage, its key)``: the attributes of a request's
+    histograms (operation, provider, model and, for a failed request, ``error.type``), those of its
+    two token usage values (``gen_ai.token.type`` added), each with its
+    :func:`~otel_generate.fast_metrics.attributes_key`. The same objects for every request of
+    ``model`` with ``error_type`` (remembered for the first :data:`_METRIC_ATTRIBUTE_SETS`
+    pairs): the SDK and the fast path read them and keep no reference they change."""
+    found = _metric_attribute_sets.get((model, error_type))
+    if found is not None:
+        return found
+    base = {
+        A.GEN_AI_OPERATION_NAME: A.OPERATION_TEXT_COMPLETION,
+        A.GEN_AI_PROVIDER_NAME: A.PROVIDER_TRANSFORMERS,
+        A.GEN_AI_REQUEST_MODEL: model,
+    }
+    if error_type is not None:
+        base[A.ERROR_TYPE] = error_type
+    key = attributes_key(base)  # (the fast path's cache key)
+    made = [base, key]
+    for token_type in (A.TOKEN_TYPE_INPUT, A.TOKEN_TYPE_OUTPUT):
+        made.append({**base, A.GEN_AI_TOKEN_TYPE: token_type})
+        made.append(extended_key(key, A.GEN_AI_TOKEN_TYPE, token_type))
+    found = tuple(made)
+    if len(_metric_attribute_sets) < _METRIC_ATTRIBUTE_SETS:
+        _metric_attribute_sets[(model, error_type)] = found
+    return found
+
+
 def _record_metrics(
     instruments: Dict[str, Any],
     span: Any,
@@ -394,15 +427,8 @@ def _record_metrics(
     take the fast path, which gives exactly what ``record()`` would.
     """
     fast = fast or {}
-    base = {
-        A.GEN_AI_OPERATION_NAME: A.OPERATION_TEXT_COMPLETION,
-        A.GEN_AI_PROVIDER_NAME: A.PROVIDER_TRANSFORMERS,
-        A.GEN_AI_REQUEST_MODEL: request.model,
-    }
     error = summary.error_type is not None
-    if error:
-        base[A.ERROR_TYPE] = summary.error_type
-    key = attributes_key(base) if fast else None  # (the fast path's cache key, found once for five histograms)
+    base, key, input_usage, input_key, output_usage, output_key = _metric_attributes(request.model, summary.error_type)
     duration_s = summary.duration_s
     # (name, value, attributes, their cache key or None): one value each, recorded in this order
     values = [
@@ -416,14 +442,10 @@ def _record_metrics(
         if summary.time_per_output_token_s is not None:
             values.append((A.METRIC_TIME_PER_OUTPUT_TOKEN, summary.time_per_output_token_s, base, key))
     if A.METRIC_TOKEN_USAGE in instruments:
-        for tokens, token_type in (
-            (request.input_tokens, A.TOKEN_TYPE_INPUT),
-            (request.output_tokens, A.TOKEN_TYPE_OUTPUT),
-        ):
-            if tokens is not None:
-                usage = {**base, A.GEN_AI_TOKEN_TYPE: token_type}
-                usage_key = extended_key(key, A.GEN_AI_TOKEN_TYPE, token_type) if key is not None else None
-                values.append((A.METRIC_TOKEN_USAGE, tokens, usage, usage_key))
+        if request.input_tokens is not None:
+            values.append((A.METRIC_TOKEN_USAGE, request.input_tokens, input_usage, input_key))
+        if request.output_tokens is not None:
+            values.append((A.METRIC_TOKEN_USAGE, request.output_tokens, output_usage, output_key))
     latencies = (
         summary.inter_token_latencies_s
         if not error and summary.time_per_output_token_s is not None and A.METRIC_INTER_TOKEN_LATENCY in instruments
@@ -439,12 +461,15 @@ def _record_metrics(
         context = trace.set_span_in_context(exemplar_span, context)
         token = otel_context.attach(context)
     try:
+        single = []  # (the fast path's values, recorded in one loop)
         for name, value, attributes, value_key in values:
             helper = fast.get(name)
             if helper is not None:
-                helper.record_one(value, attributes, value_key, context)
+                single.append((helper, value, attributes, value_key))
             else:
                 instruments[name].record(value, attributes)
+        if single:
+            record_values(single, context)
         if latencies is not None:
             helper = fast.get(A.METRIC_INTER_TOKEN_LATENCY)
             if helper is not None:

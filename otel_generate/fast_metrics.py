@@ -29,13 +29,15 @@ with its source), that code's effect for all values is applied under one lock (t
 the same order, the bucket counts, min and max; iterated in C: ``functools.reduce``, or
 ``sum()`` before Python 3.12, adds left to right as ``+=`` does), then the exemplars are offered
 (a ``Measurement`` is built only for them).
-:meth:`FastHistogram.record_one` is that path for one value (a request's duration, its time to
-first token, a token count), without the list. The filter's answer and the span ids of the
+:func:`record_values` is that path for single values, each into its own histogram (a request's
+duration, its time to first token, its token counts), in one loop without the list
+(:meth:`FastHistogram.record_one`: one such value). The filter's answer and the span ids of the
 context are found once for all the histograms a request records in one context
-(:func:`_exemplar_decision`). Where, in addition, an offer runs exactly the SDK code this module
-knows for the default reservoir (:func:`_offers_as_expected`, compared with its source), the
-offer's effect on the value's bucket is applied directly (:func:`_offer_to_bucket`): its value,
-time, attributes and span ids, under the reservoir's lock.
+(:func:`_exemplar_decision`), and whether the meter is enabled once per meter config. Where, in
+addition, an offer runs exactly the SDK code this module knows for the default reservoir
+(:func:`_offers_as_expected`, compared with its source), the offer's effect on the value's bucket
+is applied directly (:func:`_offer_to_bucket`): its value, time, attributes and span ids, under
+the reservoir's lock.
 
 That uses SDK internals, so it is taken only when they are exactly as expected
 (:meth:`FastHistogram.for_instrument`, once per ``instrument()``, and again for every new
@@ -91,6 +93,9 @@ class _Resolved(NamedTuple):
     #: per aggregation, its reservoir where an offer to it may be made by :func:`_offer_to_bucket`
     #: (:func:`_offers_as_expected`), else ``None``
     reservoirs: List[Any]
+    #: ``(aggregation, boundaries, reservoir)`` per aggregation: the three lists above side by side
+    #: (read per value by :func:`record_values`)
+    entries: List[Tuple[Any, Optional[Sequence[float]], Any]]
 
 
 #: The SDK's ``_ExplicitBucketHistogramAggregation.aggregate`` (opentelemetry-sdk 1.x) that
@@ -367,6 +372,8 @@ if sys.version_info < (3, 12):
 
 #: :func:`attributes_key` of attributes that are resolved every time (not cached)
 _UNCACHED = object()
+#: a value no attribute holds (:func:`record_values`)
+_MISSING = object()
 
 
 def attributes_key(attributes: Any) -> Any:
@@ -499,7 +506,8 @@ class FastHistogram:
                 direct = boundaries is not None and _offers_as_expected(type(aggregation), reservoir)
                 reservoirs.append(reservoir if direct else None)
         random = len(targets) > 1 and any(boundaries is None for _, boundaries in targets)
-        return _Resolved(cleaned, targets, aggregations, reuse, reuse and bulk, random, reservoirs)
+        entries = list(zip(aggregations, [boundaries for _, boundaries in targets], reservoirs))
+        return _Resolved(cleaned, targets, aggregations, reuse, reuse and bulk, random, reservoirs, entries)
 
     def _resolve(self, attributes: Any, key: Any = None) -> "_Resolved":
         """:meth:`_targets` of ``attributes``, from the cache when they were resolved before.
@@ -612,76 +620,10 @@ class FastHistogram:
 
     def record_one(self, value: float, attributes: Any, key: Any = None, context: Any = None) -> None:
         """``histogram.record(value, attributes)`` in the current context: one value (a request's
-        duration, time to first token, token count). Where the bulk path of :meth:`record_many`
-        may be taken and the value is a finite ``int`` or ``float`` >= 0, the SDK's
-        ``aggregate()`` is repeated for it (its sum, min and max, its bucket; the exemplar offered
-        when the filter says so), without the list; otherwise :meth:`record_many`. ``key``:
-        :func:`attributes_key` of ``attributes``, and ``context``: the current context, when the
-        caller has them (``None``: found here)."""
-        histogram = self._histogram
-        resolved = None
-        # (NaN is not in range; an int beyond the largest float goes to record_many, which raises
-        # the OverflowError the public path raises)
-        if not self.broken and type(value) in _NUMBERS and 0 <= value <= _LARGEST:
-            try:
-                if histogram._is_enabled():
-                    consumer = histogram._measurement_consumer
-                    exemplar_filter = consumer._sdk_config.exemplar_filter
-                    if type(exemplar_filter) in self._context_filters:
-                        # _resolve's remembered answer, without its call (an uncached key is never stored)
-                        cached = self._cache.get(key) if key is not None else None
-                        if (
-                            cached is not None
-                            and cached[0] is consumer._reader_storages
-                            and cached[1] == _lifecycle.metrics_forgotten
-                        ):
-                            resolved = cached[2]
-                        else:
-                            resolved = self._resolve(attributes, key)
-                        if context is None:
-                            context = self._get_current()
-            except _NotEligible:
-                resolved = None
-            except Exception as fault:
-                self.broken = True
-                log_fault_once(Fault.FAST_HISTOGRAM, fault)
-                resolved = None
-        if resolved is None or not resolved.bulk:
-            self.record_many((value,), attributes, key)
-            return
-        cleaned = resolved.cleaned
-        last = _last_decision  # (_exemplar_decision's answer for this context, without its call)
-        if last[0] is context and last[1] is exemplar_filter:
-            sample, ids = last[2], last[3]
-        else:  # from the context alone
-            sample, ids = _exemplar_decision(exemplar_filter, context, value, time.time_ns(), cleaned)
-        if sample and resolved.random:
-            self.record_many((value,), attributes, key)  # (the per-value path: see _aggregate_all)
-            return
-        now = time.time_ns() if sample else 0  # (only an exemplar reads the time)
-        m = None
-        for aggregation, (_, boundaries), reservoir in zip(
-            resolved.aggregations, resolved.targets, resolved.reservoirs
-        ):
-            with aggregation._lock:  # what aggregate() does under its lock, in its order
-                if aggregation._value is None:
-                    aggregation._value = aggregation._get_empty_bucket_counts()
-                aggregation._sum += value
-                if aggregation._record_min_max:  # (what min() and max() of the two keep)
-                    if value < aggregation._min:
-                        aggregation._min = value
-                    if value > aggregation._max:
-                        aggregation._max = value
-                aggregation._value[bisect.bisect_left(aggregation._boundaries, value)] += 1
-            if not sample:
-                continue
-            if reservoir is not None:  # what its offer does
-                _offer_to_bucket(reservoir, bisect.bisect_left(boundaries, value), value, now, cleaned, ids)
-                continue
-            if m is None:  # only an exemplar reads a measurement
-                m = self._measurement(value, now, histogram, context, None)
-                object.__setattr__(m, "attributes", cleaned)
-            aggregation._sample_exemplar(m, True)
+        duration, time to first token, token count): :func:`record_values` of this one value.
+        ``key``: :func:`attributes_key` of ``attributes``, and ``context``: the current context,
+        when the caller has them (``None``: found here)."""
+        record_values(((self, value, attributes, key),), context)
 
     def record_many(self, values: Iterable[float], attributes: Any, key: Any = None, context: Any = None) -> None:
         """``histogram.record(value, attributes)`` for every value, in order, in the current context.
@@ -749,3 +691,85 @@ class FastHistogram:
                 sample = decided
             for (aggregate, _), keep in zip(targets, offered):
                 aggregate(m, sample and (keep is None or position in keep))
+
+
+def record_values(entries: Iterable[Tuple[FastHistogram, float, Any, Any]], context: Any = None) -> None:
+    """``helper``'s ``histogram.record(value, attributes)`` for each ``(helper, value, attributes,
+    key)`` of ``entries``, in order, all in ``context`` (the current context when ``None``): one
+    value each (a request's duration, time to first token, token counts), into histograms that
+    may differ. ``key``: :func:`attributes_key` of ``attributes`` (``None``: computed).
+
+    Where the bulk path of :meth:`FastHistogram.record_many` may be taken and the value is a
+    finite ``int`` or ``float`` >= 0, the SDK's ``aggregate()`` is repeated for it (its sum, min
+    and max, its bucket; the exemplar offered when the filter says so) in this loop, without a
+    call per value; otherwise that value goes to :meth:`FastHistogram.record_many`. What the
+    values share is found once per measurement consumer (one per ``MeterProvider``): its
+    exemplar filter and reader storages, and the filter's answer for ``context``."""
+    consumer_seen = exemplar_filter = storages = None
+    eligible = False
+    sample, ids = False, None
+    config_seen: Any = _MISSING
+    enabled = False
+    for helper, value, attributes, key in entries:
+        histogram = helper._histogram
+        resolved = None
+        # (NaN is not in range; an int beyond the largest float goes to record_many, which raises
+        # the OverflowError the public path raises)
+        if not helper.broken and type(value) in _NUMBERS and 0 <= value <= _LARGEST:
+            try:
+                # the SDK's _is_enabled() reads only the meter's config, which a meter's instruments
+                # share: asked once per config object (an SDK without one: per histogram)
+                config = getattr(histogram, "_meter_config", histogram)
+                if config is not config_seen:
+                    enabled = histogram._is_enabled()
+                    config_seen = config
+                if enabled:
+                    consumer = histogram._measurement_consumer
+                    if consumer is not consumer_seen:  # (the request's histograms share one)
+                        exemplar_filter = consumer._sdk_config.exemplar_filter
+                        eligible = type(exemplar_filter) in helper._context_filters
+                        storages = consumer._reader_storages
+                        consumer_seen = consumer
+                        if eligible:  # (the filter answers from the context alone)
+                            if context is None:
+                                context = helper._get_current()
+                            sample, ids = _exemplar_decision(exemplar_filter, context, value, time.time_ns(), None)
+                    if eligible:
+                        # _resolve's remembered answer, without its call (an uncached key is never stored)
+                        cached = helper._cache.get(key) if key is not None else None
+                        if cached is not None and cached[0] is storages and cached[1] == _lifecycle.metrics_forgotten:
+                            resolved = cached[2]
+                        else:
+                            resolved = helper._resolve(attributes, key)
+            except _NotEligible:
+                resolved = None
+            except Exception as fault:
+                helper.broken = True
+                log_fault_once(Fault.FAST_HISTOGRAM, fault)
+                resolved = None
+        if resolved is None or not resolved.bulk or (sample and resolved.random):
+            # (a reservoir that may keep any value: the per-value path, see _aggregate_all)
+            helper.record_many((value,), attributes, key, context)
+            continue
+        now = time.time_ns() if sample else 0  # (only an exemplar reads the time)
+        m = None
+        for aggregation, boundaries, reservoir in resolved.entries:
+            with aggregation._lock:  # what aggregate() does under its lock, in its order
+                if aggregation._value is None:
+                    aggregation._value = aggregation._get_empty_bucket_counts()
+                aggregation._sum += value
+                if aggregation._record_min_max:  # (what min() and max() of the two keep)
+                    if value < aggregation._min:
+                        aggregation._min = value
+                    if value > aggregation._max:
+                        aggregation._max = value
+                aggregation._value[bisect.bisect_left(aggregation._boundaries, value)] += 1
+            if not sample:
+                continue
+            if reservoir is not None:  # what its offer does
+                _offer_to_bucket(reservoir, bisect.bisect_left(boundaries, value), value, now, resolved.cleaned, ids)
+                continue
+            if m is None:  # only an exemplar reads a measurement
+                m = helper._measurement(value, now, histogram, context, None)
+                object.__setattr__(m, "attributes", resolved.cleaned)
+            aggregation._sample_exemplar(m, True)

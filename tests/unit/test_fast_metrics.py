@@ -13,7 +13,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.trace import TracerProvider
 
-from otel_generate.fast_metrics import _MIXED, _UNCACHED, FastHistogram, attributes_key, extended_key
+from otel_generate.fast_metrics import _MIXED, _UNCACHED, FastHistogram, attributes_key, extended_key, record_values
 
 BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1]
 VALUES = [0.0004, 0.002, 0.002, 0.007, 0.03, 0.2, 0.0, 0.049, 0.011] * 5
@@ -399,6 +399,66 @@ def test_each_buckets_last_position_when_a_rare_bucket_is_far_from_the_end():
 def test_record_one_gives_what_record_gives_value_by_value(values, in_span, readers):
     public, fast, helper = _both(values, in_span=in_span, readers=readers, one_by_one=True)
     assert public == fast and not helper.broken
+
+
+def _three_histograms():
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("t")
+    histograms = [
+        meter.create_histogram(f"h{index}", unit="s", explicit_bucket_boundaries_advisory=BUCKETS[: index + 3])
+        for index in range(3)
+    ]
+    return histograms, reader
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    entries=st.lists(
+        st.tuples(
+            st.integers(min_value=0, max_value=2),
+            st.one_of(
+                st.floats(min_value=0, max_value=0.2, allow_nan=False),
+                st.sampled_from([0.0, 0.01, 7, True, -1.0, math.inf, float("nan")]),
+            ),
+            st.sampled_from([ATTRS, {"a": "x"}, {"a": "x", "f": 0.5}, None]),
+            st.booleans(),
+        ),
+        max_size=8,
+    ),
+    primed=st.lists(st.booleans(), min_size=3, max_size=3),
+    in_span=st.booleans(),
+)
+def test_values_into_several_histograms_give_what_record_gives_value_by_value(entries, primed, in_span):
+    """record_values (a request's single values: several histograms of one meter, one context)
+    gives what record() of each value in turn gives; a histogram whose aggregation does not exist
+    yet (not primed) takes the public path for its values."""
+    from opentelemetry import context as ctx
+
+    public, public_reader = _three_histograms()
+    fast_histograms, fast_reader = _three_histograms()
+    helpers = [FastHistogram.for_instrument(histogram) for histogram in fast_histograms]
+    assert None not in helpers
+    for index, prime in enumerate(primed):
+        if prime:  # (an earlier request: the aggregations of ATTRS exist)
+            public[index].record(0.5, ATTRS)
+            fast_histograms[index].record(0.5, ATTRS)
+    span = TracerProvider().get_tracer("t").start_span("request")
+    context = trace.set_span_in_context(span) if in_span else ctx.get_current()
+    token = ctx.attach(context)
+    try:
+        for index, value, attributes, _ in entries:
+            public[index].record(value, attributes)
+        record_values(
+            [
+                (helpers[index], value, attributes, attributes_key(attributes) if keyed else None)
+                for index, value, attributes, keyed in entries
+            ],
+            context,
+        )
+    finally:
+        ctx.detach(token)
+    assert _points(public_reader) == _points(fast_reader)
+    assert not any(helper.broken for helper in helpers)
 
 
 @settings(max_examples=60, deadline=None)
