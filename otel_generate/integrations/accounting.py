@@ -73,7 +73,39 @@ def _account_loops(call: Any, result: Any, exc: Optional[BaseException]) -> List
         request.candidates_proposed = sum(loop.candidates_proposed for loop in assisted)
         request.candidates_accepted = sum(loop.candidates_accepted for loop in assisted)
 
-    # steps: concatenated in call order; indices and token positions continue across loops
+    if (
+        len(loops) == 1
+        and first.step_starts_ns is None
+        and first.start_ns == request.start_ns
+        and len(first.step_ends_ns) == len(first.step_tokens)
+    ):
+        # one loop, started with the request: its lists as they are, each step starting where the
+        # one before it ended (the request's start for the first: no explicit starts)
+        request.step_ends_ns, request.step_starts_ns, request.step_tokens = first.step_ends_ns, None, first.step_tokens
+    else:
+        _concatenate_steps(request, loops)
+    if call.timed and exc is None and any(loop.unobserved for loop in loops) and not request.step_ends_ns:
+        request.unobserved = next(loop.unobserved for loop in loops if loop.unobserved)
+    if len(loops) == 1:
+        request.output_tokens_per_sequence = first.per_sequence
+        request.output_tokens = first.output_tokens
+        request.finish_reasons = first.finish_reasons
+        request.prefill_steps = first.prefill_steps
+        request.step_requests = first.step_requests
+        request.queue_ns = first.queue_ns
+        if call.timed and exc is None and first.incomplete:
+            request.incomplete = True
+        if first.uninstrumented:
+            request.uninstrumented = True
+        return loops
+    _account_inner_calls(call, loops, exc)
+    return loops
+
+
+def _concatenate_steps(request: Any, loops: List[Any]) -> None:
+    """The loops' steps concatenated in call order (indices and token positions continue across
+    loops), each with its start: explicit where the loop gave them, else where the one before it
+    in the same loop ended (the loop's start for its first)."""
     ends: List[int] = []
     starts: List[int] = []
     tokens: List[int] = []
@@ -90,22 +122,6 @@ def _account_loops(call: Any, result: Any, exc: Optional[BaseException]) -> List
         ends.extend(loop_ends)
         tokens.extend(loop.step_tokens[:steps])
     request.step_ends_ns, request.step_starts_ns, request.step_tokens = ends, starts, tokens
-    if call.timed and exc is None and any(loop.unobserved for loop in loops) and not ends:
-        request.unobserved = next(loop.unobserved for loop in loops if loop.unobserved)
-    if len(loops) == 1:
-        request.output_tokens_per_sequence = first.per_sequence
-        request.output_tokens = first.output_tokens
-        request.finish_reasons = first.finish_reasons
-        request.prefill_steps = first.prefill_steps
-        request.step_requests = first.step_requests
-        request.queue_ns = first.queue_ns
-        if call.timed and exc is None and first.incomplete:
-            request.incomplete = True
-        if first.uninstrumented:
-            request.uninstrumented = True
-        return loops
-    _account_inner_calls(call, loops, exc)
-    return loops
 
 
 def _account_inner_calls(call: Any, loops: List[Any], exc: Optional[BaseException]) -> None:

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from otel_generate import attributes as A
+from otel_generate.derive import step_starts_ns
 from otel_generate.integrations import accounting
 from otel_generate.integrations.loop_state import Loop
 from otel_generate.request import Request
@@ -88,7 +89,9 @@ def test_greedy_counts_each_row_to_its_stop_step_and_reasons():
     assert request.input_tokens == 6  # no pad id in the prompt
     assert request.step_tokens == [1, 1, 1, 1]
     assert request.step_ends_ns == [START_NS + 100, START_NS + 200, START_NS + 300, START_NS + 400]
-    assert request.step_starts_ns == [START_NS, START_NS + 100, START_NS + 200, START_NS + 300]
+    # one loop started with the request: no explicit starts, each step starts where the last ended
+    assert request.step_starts_ns is None
+    assert step_starts_ns(request) == [START_NS, START_NS + 100, START_NS + 200, START_NS + 300]
     assert request.parameters[A.GENERATE_STRATEGY] == A.STRATEGY_GREEDY
     assert request.parameters[A.GEN_AI_REQUEST_MAX_TOKENS] == 4
     assert request.parameters[A.GENERATE_BATCH_SIZE] == 2
