@@ -148,7 +148,9 @@ def count_input_tokens(
     Returns:
         The number of real prompt tokens over the whole batch.
     """
-    if attention_mask is not None and tuple(attention_mask.shape[:2]) == tuple(inputs.shape[:2]):
+    if attention_mask is not None and (
+        attention_mask.shape == inputs.shape or attention_mask.shape[:2] == inputs.shape[:2]
+    ):  # (the common case, two equal shapes, compared without slicing them)
         return int(attention_mask.sum().item())
     batch, length = int(inputs.shape[0]), int(inputs.shape[1])
     is_ids = inputs.dim() == 2 and not inputs.is_floating_point()

@@ -126,8 +126,12 @@ def compiler_disabled(function: Callable) -> Callable:
 
 
 def model_name(model: Any) -> str:
-    """``gen_ai.request.model``: the model's ``name_or_path``, else its class name."""
-    name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    """``gen_ai.request.model``: the model's ``name_or_path`` (a model without that attribute: its
+    config's ``_name_or_path``, which a ``PreTrainedModel`` copies into its own when it is built),
+    else, where that is empty, its class name."""
+    name = getattr(model, "name_or_path", None)
+    if name is None:  # (a config's attribute lookup runs Python code: only when the model has none)
+        name = getattr(getattr(model, "config", None), "_name_or_path", None)
     return str(name) if name else type(model).__name__
 
 

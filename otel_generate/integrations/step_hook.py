@@ -45,7 +45,10 @@ def rows_may_end_apart(criteria) -> bool:
     subclass of a budget criterion counts too, its call may differ). Only then does a row's
     stopping step need recording (:class:`StepRecorder` ``keep_done``); otherwise every row runs
     to the last step."""
-    return any(type(criterion) not in _ALL_ROWS_AT_ONCE for criterion in criteria)
+    for criterion in criteria:  # (a loop, not any() of a generator: one to three criteria)
+        if type(criterion) not in _ALL_ROWS_AT_ONCE:
+            return True
+    return False
 
 
 #: :meth:`StepRecorder.plain_step`: ``[append time, clock, append length or None, append is_done
