@@ -215,7 +215,7 @@ def _first_parameter(model: Any) -> Any:
     seen = set()
     while stack:
         module = stack.pop()
-        if module in seen:  # (named_modules' memo: a shared module is visited once)
+        if module is None or module in seen:  # (a None child; named_modules' memo: a shared module once)
             continue
         seen.add(module)
         if type(module).named_modules is not named_modules:
@@ -223,7 +223,7 @@ def _first_parameter(model: Any) -> Any:
         for value in module._parameters.values():
             if value is not None:
                 return value
-        children = [child for child in module._modules.values() if child is not None]
+        children = list(module._modules.values())
         children.reverse()
         stack += children
     return None

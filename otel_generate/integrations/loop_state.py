@@ -362,7 +362,11 @@ class Loop(LoopFrame):
             # one is_done row per returned sequence (not beam search's flattened candidates), when
             # a row may stop before the others
             keep_done=strategy in ROW_ALIGNED and hook.rows_may_end_apart(criteria),
-            token_offset=sum(sum(loop.step_tokens or _tokens_so_far(loop)) for loop in call.loops if loop is not self),
+            token_offset=(  # (the common request has one loop: this one)
+                sum(sum(loop.step_tokens or _tokens_so_far(loop)) for loop in call.loops if loop is not self)
+                if len(call.loops) > 1
+                else 0
+            ),
             one_token_steps=self._runs_own_sample_loop(strategy),
         )
         self.criteria = hook.RecordingCriteriaList(criteria, self.recorder)
