@@ -480,11 +480,26 @@ def _attribute_functions(span_type: type, attributes_type: type, attributes_modu
     )
 
 
+#: the last answer of :func:`_sets_attributes_as_expected`: ``(span type, attributes type, the
+#: functions read, the answer)``
+_last_attribute_check: Tuple[Any, Any, tuple, bool] = (None, None, (), False)
+
+
 def _sets_attributes_as_expected(span_type: type, attributes_type: type) -> bool:
     """Whether ``set_attributes`` on a ``span_type`` span holding ``attributes_type`` runs the code
     :data:`_SET_ATTRIBUTES_CODE` names: plain functions, none a wrapper (read at every call; their
-    code once per set of function objects, so a patch of any of them is checked when it is made)."""
-    global _attribute_owners
+    code once per set of function objects, so a patch of any of them is checked when it is made).
+    The last answer is given again, without the look-up, while the types and the functions read
+    are the same objects (every request of a process, until something is patched)."""
+    global _attribute_owners, _last_attribute_check
+    last_span, last_attributes, last_functions, last_known = _last_attribute_check
+    if span_type is last_span and attributes_type is last_attributes and last_span is not None:
+        try:
+            functions = _attribute_functions(span_type, attributes_type, _attribute_owners[2])
+        except Exception:  # another layout: never relied on
+            return False
+        if all(map(is_, last_functions, functions)):
+            return last_known
     try:
         if _attribute_owners is None:
             import opentelemetry.attributes as attributes_module
@@ -497,7 +512,9 @@ def _sets_attributes_as_expected(span_type: type, attributes_type: type) -> bool
         functions = _attribute_functions(span_type, attributes_type, attributes_module)
     except Exception:  # another layout: never relied on
         return False
-    return functions_known(_checked_attribute_functions, functions, _SET_ATTRIBUTES_CODE)
+    known = functions_known(_checked_attribute_functions, functions, _SET_ATTRIBUTES_CODE)
+    _last_attribute_check = (span_type, attributes_type, functions, known)
+    return known
 
 
 def set_request_attributes(span: Any, attributes: Dict[str, Any]) -> bool:
