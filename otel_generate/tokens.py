@@ -54,17 +54,18 @@ def count_new_tokens(
         ValueError: if ``sequences`` is not 2-D or ``prompt_length`` is negative or larger than
             the sequence length.
     """
-    import torch
-
-    if sequences.dim() != 2:
-        raise ValueError(f"sequences must be 2-D (num_sequences, length), got shape {tuple(sequences.shape)}")
-    total = sequences.shape[-1]
+    shape = sequences.shape
+    if len(shape) != 2:
+        raise ValueError(f"sequences must be 2-D (num_sequences, length), got shape {tuple(shape)}")
+    total = shape[-1]
     if prompt_length < 0 or prompt_length > total:
         raise ValueError(f"prompt_length must be between 0 and {total}, got {prompt_length}")
     eos_ids = _as_id_list(eos_token_id)
     width = total - prompt_length
     if not eos_ids or width == 0:  # nothing ends a row early: every row is its whole continuation
-        return [width] * int(sequences.shape[0])
+        return [width] * int(shape[0])
+    import torch  # (imported here: the common case above needs no tensor operation)
+
     continuation = sequences[:, prompt_length:]
     rows = continuation.shape[0]
     counts = torch.full((rows,), width, dtype=torch.long, device=continuation.device)
@@ -129,6 +130,11 @@ def counts_from_done(
     return [min(max(lengths[step] - prompt_length, 0), width) if stop else width for stop, step in zip(ended, first)]
 
 
+#: a 2-D attention mask of at most this many values is summed from its Python list (one copy, about
+#: 5,000 instructions and 150 a value) rather than by a tensor reduction and ``item()`` (about 16,000)
+_FEW_MASK_VALUES = 32
+
+
 def count_input_tokens(
     inputs: Any,
     attention_mask: Optional[Any] = None,
@@ -148,10 +154,13 @@ def count_input_tokens(
     Returns:
         The number of real prompt tokens over the whole batch.
     """
-    if attention_mask is not None and (
-        attention_mask.shape == inputs.shape or attention_mask.shape[:2] == inputs.shape[:2]
-    ):  # (the common case, two equal shapes, compared without slicing them)
-        return int(attention_mask.sum().item())
+    if attention_mask is not None:
+        mask_shape = attention_mask.shape
+        # (the common case, two equal shapes, compared without slicing them)
+        if mask_shape == inputs.shape or mask_shape[:2] == inputs.shape[:2]:
+            if len(mask_shape) == 2 and mask_shape[0] * mask_shape[1] <= _FEW_MASK_VALUES:
+                return int(sum(map(sum, attention_mask.tolist())))  # (0/1 values: the same sum)
+            return int(attention_mask.sum().item())
     batch, length = int(inputs.shape[0]), int(inputs.shape[1])
     is_ids = inputs.dim() == 2 and not inputs.is_floating_point()
     if pad_token_id is not None and is_ids and int(pad_token_id) not in _as_id_list(eos_token_id):

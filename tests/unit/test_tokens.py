@@ -55,3 +55,27 @@ def test_counts_from_done_declines_steps_that_do_not_line_up():
     assert counts_from_done([two_rows], [5, 6], 4, sequences) is None
     assert counts_from_done([], [], 4, sequences) is None
     assert counts_from_done([torch.tensor([[True, False]])], [5], 4, sequences) is None
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    width=st.integers(1, 40),  # (masks of up to 32 values are summed from a list, larger ones as tensors)
+    dtype=st.sampled_from((torch.long, torch.int32, torch.bool, torch.float32)),
+    embeddings=st.booleans(),
+    data=st.data(),
+)
+def test_input_tokens_with_a_mask_are_the_masks_ones(rows, width, dtype, embeddings, data):
+    """With a mask of the prompt's shape, the input tokens are the mask's nonzero positions,
+    counted here per value in Python, whatever the mask's size and dtype (a token-id or an
+    embeddings prompt); a mask of another shape is not used (every position counts)."""
+    from otel_generate.tokens import count_input_tokens
+
+    row = st.lists(st.integers(0, 1), min_size=width, max_size=width)
+    marks = data.draw(st.lists(row, min_size=rows, max_size=rows))
+    mask = torch.tensor(marks).to(dtype)
+    inputs = torch.zeros((rows, width, 3)) if embeddings else torch.zeros((rows, width), dtype=torch.long)
+    expected = sum(value for row in marks for value in row)
+    got = count_input_tokens(inputs, mask)
+    assert type(got) is int and got == expected
+    assert count_input_tokens(inputs, torch.ones((rows, width + 1), dtype=dtype)) == rows * width
