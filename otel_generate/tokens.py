@@ -200,6 +200,12 @@ def finish_reasons(
     Returns:
         ``"stop"`` or ``"length"`` for each row, ``len == len(counts)``.
     """
+    if eos_token_id is None and forced_eos_token_id is None and not budget_rows and not stopped_rows:
+        # no EOS of any kind, no other budget, no stop string: a row that used its budget ended by it
+        return [
+            FINISH_REASON_LENGTH if max_new_tokens is not None and count >= max_new_tokens else FINISH_REASON_STOP
+            for count in counts
+        ]
     eos_ids = set(_as_id_list(eos_token_id))
     forced_ids = set(_as_id_list(forced_eos_token_id))
     budget_rows = set(budget_rows)

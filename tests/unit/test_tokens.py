@@ -79,3 +79,20 @@ def test_input_tokens_with_a_mask_are_the_masks_ones(rows, width, dtype, embeddi
     got = count_input_tokens(inputs, mask)
     assert type(got) is int and got == expected
     assert count_input_tokens(inputs, torch.ones((rows, width + 1), dtype=dtype)) == rows * width
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 8), min_size=1, max_size=5),
+    max_new=st.one_of(st.none(), st.integers(0, 8)),
+)
+def test_reasons_without_an_eos_are_length_for_a_row_that_used_its_budget(counts, max_new):
+    """With no EOS, no forced EOS, no other budget and no stop string, a row is ``length`` when it
+    used its whole budget and ``stop`` otherwise (a user's criterion ended it): as the general
+    path (taken here with an iterator of no rows) says."""
+    from otel_generate.tokens import finish_reasons
+
+    sequences = torch.zeros((len(counts), 12), dtype=torch.long)
+    expected = ["length" if max_new is not None and count >= max_new else "stop" for count in counts]
+    assert finish_reasons(sequences, 4, counts, max_new) == expected
+    assert finish_reasons(sequences, 4, counts, max_new, budget_rows=iter(())) == expected
