@@ -110,8 +110,11 @@ class Telemetry:
         #: requests still in their set-up (``generate()`` entered, the loop's hooks not all reached):
         #: call -> thread ident; ``uninstrument()`` waits for them (bounded) before removing the hooks
         self.setups: Dict[Any, int] = {}
-        self.setups_changed = threading.Condition(threading.Lock())
-        self.setup_waiters = 0  # threads in wait_for_setups (guarded by setups_changed)
+        #: guards ``setups`` and ``setup_waiters``: the lock of ``setups_changed`` (held directly
+        #: by the requests, whose ``with`` on the lock itself runs no Python code)
+        self.setups_lock = threading.Lock()
+        self.setups_changed = threading.Condition(self.setups_lock)
+        self.setup_waiters = 0  # threads in wait_for_setups (guarded by setups_lock)
         _TELEMETRIES.add(self)  # a forked child forgets the parent's other threads' set-ups
         from otel_generate.fast_metrics import FastHistogram
         from otel_generate.fast_request_span import FastRequestSpans
@@ -141,7 +144,8 @@ class Telemetry:
         threads may have held the set-up lock at the fork (every request would hang on it)."""
         me = threading.get_ident()
         self.setups = {call: thread for call, thread in list(self.setups.items()) if thread == me}
-        self.setups_changed = threading.Condition(threading.Lock())
+        self.setups_lock = threading.Lock()
+        self.setups_changed = threading.Condition(self.setups_lock)
         self.setup_waiters = 0
 
     def metrics_live(self) -> bool:

@@ -205,7 +205,7 @@ def run_request(
 def setup_started(call: Call) -> None:
     """``call`` needs its loop's hooks: ``uninstrument()`` waits for :func:`setup_done` (bounded)."""
     telemetry = call.telemetry
-    with telemetry.setups_changed:
+    with telemetry.setups_lock:  # (setups_changed's lock)
         telemetry.setups[call] = threading.get_ident()
 
 
@@ -214,7 +214,7 @@ def setup_done(call: Call) -> None:
     telemetry = call.telemetry
     if call not in telemetry.setups:
         return
-    with telemetry.setups_changed:
+    with telemetry.setups_lock:  # (setups_changed's lock: held, so that it may be notified)
         if telemetry.setups.pop(call, None) is not None and telemetry.setup_waiters:
             telemetry.setups_changed.notify_all()  # (only uninstrument() waits, rarely: then it is told)
 
