@@ -133,7 +133,7 @@ def derive(
     first = first_token_step(tokens)
     if first is not None and first < len(ends):
         ttft_s = (ends[first] - start) / per_second
-        later = sum(tokens[first + 1 :])
+        later = sum(tokens) - sum(tokens[: first + 1])  # (the tokens after the first step: no copy of them)
         if later > 0:
             tpot_s = ((ends[-1] - ends[first]) / later) / per_second
     summary = Summary(
