@@ -130,8 +130,9 @@ def counts_from_done(
     return [min(max(lengths[step] - prompt_length, 0), width) if stop else width for stop, step in zip(ended, first)]
 
 
-#: a 2-D attention mask of at most this many values is summed from its Python list (one copy, about
-#: 5,000 instructions and 150 a value) rather than by a tensor reduction and ``item()`` (about 16,000)
+#: a 2-D integer or bool attention mask of at most this many values is summed from its Python list
+#: (one copy, about 5,000 instructions and 150 a value) rather than by a tensor reduction and
+#: ``item()`` (about 16,000)
 _FEW_MASK_VALUES = 32
 
 
@@ -158,8 +159,12 @@ def count_input_tokens(
         mask_shape = attention_mask.shape
         # (the common case, two equal shapes, compared without slicing them)
         if mask_shape == inputs.shape or mask_shape[:2] == inputs.shape[:2]:
-            if len(mask_shape) == 2 and mask_shape[0] * mask_shape[1] <= _FEW_MASK_VALUES:
-                return int(sum(map(sum, attention_mask.tolist())))  # (0/1 values: the same sum)
+            if (
+                len(mask_shape) == 2
+                and mask_shape[0] * mask_shape[1] <= _FEW_MASK_VALUES
+                and not attention_mask.is_floating_point()
+            ):  # (integer or bool values: the same sum exactly; a float sum would round otherwise)
+                return int(sum(map(sum, attention_mask.tolist())))
             return int(attention_mask.sum().item())
     batch, length = int(inputs.shape[0]), int(inputs.shape[1])
     is_ids = inputs.dim() == 2 and not inputs.is_floating_point()

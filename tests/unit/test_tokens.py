@@ -79,6 +79,9 @@ def test_input_tokens_with_a_mask_are_the_masks_ones(rows, width, dtype, embeddi
     got = count_input_tokens(inputs, mask)
     assert type(got) is int and got == expected
     assert count_input_tokens(inputs, torch.ones((rows, width + 1), dtype=dtype)) == rows * width
+    # a fractional float mask (not a 0/1 mask) is summed as a tensor whatever its size: as before
+    fractional = torch.full((rows, width), 0.9)
+    assert count_input_tokens(inputs, fractional) == int(fractional.sum().item())
 
 
 @settings(max_examples=80, deadline=None)
