@@ -126,12 +126,18 @@ def compiler_disabled(function: Callable) -> Callable:
 
 
 def model_name(model: Any) -> str:
-    """``gen_ai.request.model``: the model's ``name_or_path`` (a model without that attribute: its
-    config's ``_name_or_path``, which a ``PreTrainedModel`` copies into its own when it is built),
-    else, where that is empty, its class name."""
+    """``gen_ai.request.model``: the model's ``name_or_path``, else its config's ``_name_or_path``,
+    else its class name."""
     name = getattr(model, "name_or_path", None)
-    if name is None:  # (a config's attribute lookup runs Python code: only when the model has none)
-        name = getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not name:
+        config = getattr(model, "config", None)
+        try:  # (read from the config's own dictionary: transformers' configs run Python code on
+            # every attribute read, about 13,500 instructions for this one)
+            name = object.__getattribute__(config, "__dict__").get("_name_or_path")
+        except (AttributeError, TypeError):  # no instance dictionary
+            name = None
+        if name is None:  # (not an instance attribute: as getattr finds it)
+            name = getattr(config, "_name_or_path", None)
     return str(name) if name else type(model).__name__
 
 

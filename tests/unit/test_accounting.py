@@ -376,3 +376,25 @@ def test_step_tokens_are_the_differences_of_the_lengths_seen():
         expected = [after - before for before, after in zip([prompt] + lengths, lengths)]
         assert step_tokens(iter(lengths), prompt) == expected
     assert step_tokens([7, 8, 9], 4) == [3, 1, 1]  # the first step: the prompt's width to its first token
+
+
+def test_the_request_model_is_the_models_name_else_its_configs_else_its_class():
+    """``gen_ai.request.model``: a model's ``name_or_path``; where that is empty, its config's
+    ``_name_or_path`` (read from the config's dictionary, or as an attribute where it is not in
+    it); else the model's class name."""
+    from otel_generate.integrations._routing import model_name
+
+    class Config:
+        def __init__(self, name):
+            self._name_or_path = name
+
+    class PropertyConfig:
+        @property
+        def _name_or_path(self):
+            return "from-a-property"
+
+    assert model_name(SimpleNamespace(name_or_path="org/model", config=Config("other"))) == "org/model"
+    assert model_name(SimpleNamespace(name_or_path="", config=Config("from-config"))) == "from-config"
+    assert model_name(SimpleNamespace(config=PropertyConfig())) == "from-a-property"
+    assert model_name(SimpleNamespace(name_or_path="", config=Config(""))) == "SimpleNamespace"
+    assert model_name(object()) == "object"
