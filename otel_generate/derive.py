@@ -60,6 +60,10 @@ class Summary:
             undefined.
         inter_token_latencies_s: one value per decode step (``inter_token``, successful requests
             with a time per output token), else empty.
+        inter_token_sorted_s: ``sorted(inter_token_latencies_s)`` where derivation sorted them
+            anyway (the outlier scan of a recording request whose steps are the common case: one
+            token each, back to back, only the first a prefill), else ``None``: the latency
+            histogram then need not sort them again.
         step_latencies_ns, step_latencies_s: every step's latency (``steps``), else empty.
         step_starts_ns, step_ends_ns: every step's bounds, monotonic nanoseconds (``steps``;
             the ends are always the request's).
@@ -85,6 +89,7 @@ class Summary:
     time_to_first_token_s: Optional[float]
     time_per_output_token_s: Optional[float]
     inter_token_latencies_s: Sequence[float] = _NO_STEPS
+    inter_token_sorted_s: Optional[List[float]] = None
     step_latencies_ns: Sequence[int] = _NO_STEPS
     step_latencies_s: Sequence[float] = _NO_STEPS
     step_starts_ns: Sequence[int] = _NO_STEPS
@@ -159,18 +164,51 @@ def derive(
             summary.time_in_queue_s = request.queue_ns / per_second
         if request.candidates_proposed and request.candidates_accepted is not None:
             summary.acceptance_rate = request.candidates_accepted / request.candidates_proposed
+    plain = False  # the inter-token latencies are every step's latency after the first
     if inter_token and error is None and tpot_s is not None:
-        summary.inter_token_latencies_s = inter_token_latencies_s(
-            request, prefill, summary.step_latencies_s if (steps or spans) else None
-        )
+        if (steps or spans) and len(tokens) == len(ends) and _plain_steps(request, prefill):
+            summary.inter_token_latencies_s = summary.step_latencies_s[1:]
+            plain = True
+        else:
+            summary.inter_token_latencies_s = inter_token_latencies_s(
+                request, prefill, summary.step_latencies_s if (steps or spans) else None
+            )
     if spans and request.timed and not summary.steps_unseen:
         policy = policy if policy is not None else _DEFAULT_POLICY
         emit, summary.reason = policy.decide(request.model, error is not None, ttft_s, tpot_s)
         summary.decided, summary.emit_steps = True, emit
         summary.steps_emitted = emit and policy.max_step_spans > 0 and bool(ends)
         summary.step_spans = min(len(latencies_ns), policy.max_step_spans) if emit else 0
-        summary.outliers = outliers(latencies_ns, prefill, policy.outlier_factor)
+        factor = policy.outlier_factor
+        if prefill == {0} and len(latencies_ns) > 3:  # the common case: the decode steps are all but the first
+            # Sorted once, in seconds (floats compare in fewer instructions than ints), for the scan
+            # and, where they are the inter-token latencies, for their histogram
+            ordered_s = sorted(summary.inter_token_latencies_s if plain else summary.step_latencies_s[1:])
+            if _none_above(ordered_s, factor):
+                summary.outliers = frozenset()
+            else:  # (a step near or above the limit: the exact scan, in nanoseconds)
+                summary.outliers = outliers(latencies_ns, prefill, factor)
+            if plain:
+                summary.inter_token_sorted_s = ordered_s
+        else:
+            summary.outliers = outliers(latencies_ns, prefill, factor)
     return summary
+
+
+#: how far below the outlier limit, relatively, the slowest decode step must be in seconds for
+#: :func:`_none_above` to answer without the nanoseconds: far above the rounding of the division
+#: by 10**9, of the median and of its product with the factor (a few units of 2**-53 each)
+_MARGIN = 1e-9
+
+
+def _none_above(ordered_s: Sequence[float], factor: float) -> bool:
+    """Whether no decode step is an outlier (:func:`outliers`), told from the decode steps'
+    latencies in seconds, sorted (at least 3): true only where the slowest is below ``factor``
+    times the median by more than :data:`_MARGIN` relatively, so that the nanoseconds would say so
+    too; false means "ask :func:`outliers`", not "there is one"."""
+    middle = len(ordered_s) // 2
+    median = ordered_s[middle] if len(ordered_s) % 2 else (ordered_s[middle - 1] + ordered_s[middle]) / 2
+    return ordered_s[-1] < factor * median * (1 - _MARGIN)
 
 
 def first_token_step(tokens: Sequence[int]) -> Optional[int]:
@@ -229,19 +267,28 @@ def inter_token_latencies_s(
     if prefill is None:
         prefill = prefill_indices(request)
     count = len(tokens)
-    starts = request.step_starts_ns
-    if (
-        1 < count <= len(ends)
-        and tokens.count(1) == count  # (every step one token; count() compares in C, identity first)
-        and prefill <= {0}
-        and (starts is None or starts[1:count] == ends[: count - 1])  # steps back to back
-    ):
+    if _plain_steps(request, prefill):
         if step_latencies_s is not None:
             return step_latencies_s[1:count]  # type: ignore[return-value]  (a list's slice)
         per_second = clock.NS_PER_S
         # (C-level iteration: the same int / float division, exactly, for every gap)
         return list(map(operator.truediv, map(operator.sub, ends[1:count], ends[: count - 1]), repeat(per_second)))
     return [gap / clock.NS_PER_S for gap in inter_token_latencies_ns(request, prefill)]
+
+
+def _plain_steps(request: Request, prefill: AbstractSet[int]) -> bool:
+    """Whether the request's inter-token latencies are its steps' latencies after the first (up to
+    its count of steps with tokens): more than one step, a step end for each, one token each, only
+    the first a prefill (if any), and the steps back to back (no explicit starts, or each the
+    previous step's end)."""
+    ends, tokens, starts = request.step_ends_ns, request.step_tokens, request.step_starts_ns
+    count = len(tokens)
+    return (
+        1 < count <= len(ends)
+        and tokens.count(1) == count  # (every step one token; count() compares in C, identity first)
+        and prefill <= {0}
+        and (starts is None or starts[1:count] == ends[: count - 1])  # steps back to back
+    )
 
 
 def outliers(latencies_ns: Sequence[int], prefill: AbstractSet[int], factor: float) -> frozenset:

@@ -237,8 +237,10 @@ def _emit_steps(telemetry: Telemetry, span: Any, request: Request, summary: Summ
     """The inner-call spans (when the request ran several loops) and the first
     ``summary.step_spans`` step spans, each step a child of its inner-call span, else of the
     request span. The hot loop of emission: everything it reads is bound to a local first."""
-    tracer = telemetry.tracer
     emitted = summary.step_spans
+    if not emitted and not request.calls:  # (no span to build: no parent context either)
+        return
+    tracer = telemetry.tracer
     wall_offset = request.start_wall_ns - request.start_ns
     parent = trace.set_span_in_context(span)
     parents = [parent] * emitted
@@ -473,7 +475,7 @@ def _record_metrics(
         if latencies is not None:
             helper = fast.get(A.METRIC_INTER_TOKEN_LATENCY)
             if helper is not None:
-                helper.record_many(latencies, base, key, context)
+                helper.record_many(latencies, base, key, context, summary.inter_token_sorted_s)
             else:
                 record = instruments[A.METRIC_INTER_TOKEN_LATENCY].record
                 for value in latencies:

@@ -93,9 +93,10 @@ class _Resolved(NamedTuple):
     #: per aggregation, its reservoir where an offer to it may be made by :func:`_offer_to_bucket`
     #: (:func:`_offers_as_expected`), else ``None``
     reservoirs: List[Any]
-    #: ``(aggregation, boundaries, reservoir)`` per aggregation: the three lists above side by side
-    #: (read per value by :func:`record_values`)
-    entries: List[Tuple[Any, Optional[Sequence[float]], Any]]
+    #: ``(aggregation, boundaries, reservoir, same)`` per aggregation: the three lists above side by
+    #: side, and whether ``boundaries`` are the aggregation's own (read per value by
+    #: :func:`record_values`)
+    entries: List[Tuple[Any, Optional[Sequence[float]], Any, bool]]
 
 
 #: The SDK's ``_ExplicitBucketHistogramAggregation.aggregate`` (opentelemetry-sdk 1.x) that
@@ -506,7 +507,11 @@ class FastHistogram:
                 direct = boundaries is not None and _offers_as_expected(type(aggregation), reservoir)
                 reservoirs.append(reservoir if direct else None)
         random = len(targets) > 1 and any(boundaries is None for _, boundaries in targets)
-        entries = list(zip(aggregations, [boundaries for _, boundaries in targets], reservoirs))
+        entries = [
+            # (the reservoir's bucket is the aggregation's where their boundaries are the same)
+            (aggregation, boundaries, reservoir, boundaries is not None and boundaries == list(aggregation._boundaries))
+            for aggregation, (_, boundaries), reservoir in zip(aggregations, targets, reservoirs)
+        ]
         return _Resolved(cleaned, targets, aggregations, reuse, reuse and bulk, random, reservoirs, entries)
 
     def _resolve(self, attributes: Any, key: Any = None) -> "_Resolved":
@@ -535,7 +540,14 @@ class FastHistogram:
             self._cache[key] = (storages, forgotten, resolved)
         return resolved
 
-    def _aggregate_all(self, values: List[float], context: Any, exemplar_filter: Any, resolved: "_Resolved") -> bool:
+    def _aggregate_all(
+        self,
+        values: List[float],
+        context: Any,
+        exemplar_filter: Any,
+        resolved: "_Resolved",
+        ordered: Optional[List[float]] = None,
+    ) -> bool:
         """What ``aggregate()`` does per value (the SDK's own code, checked by
         :func:`_aggregates_as_expected`), for all values under one lock: the same sum in the same
         order, the bucket counts, min and max; then the exemplars, each bucket's last value where
@@ -545,7 +557,8 @@ class FastHistogram:
         public path logs and drops the others). Iterated in C: the values sorted once give min,
         max and each bucket's count (the values <= a boundary, by ``bisect_right``, are those
         ``bisect_left(boundaries, value)`` puts at or below its bucket); :func:`_add_in_order`
-        adds left to right, as ``+=`` per value does."""
+        adds left to right, as ``+=`` per value does. ``ordered``: ``sorted(values)`` when the
+        caller has it."""
         time_ns, setfield = time.time_ns, object.__setattr__
         cleaned = resolved.cleaned
         # the filter answers from the context alone
@@ -554,7 +567,8 @@ class FastHistogram:
             # a reservoir that may keep any value draws random numbers: the public path offers each
             # value to every aggregation in turn, and so does the per-value path
             return False
-        ordered = values if len(values) == 1 else sorted(values)
+        if ordered is None:
+            ordered = values if len(values) == 1 else sorted(values)
         # min and max per value keep the first of equal values (1 and 1.0, -0.0 and 0.0): the
         # sort is stable, so that is the first of its run in the sorted order
         low = ordered[0]
@@ -625,10 +639,18 @@ class FastHistogram:
         when the caller has them (``None``: found here)."""
         record_values(((self, value, attributes, key),), context)
 
-    def record_many(self, values: Iterable[float], attributes: Any, key: Any = None, context: Any = None) -> None:
+    def record_many(
+        self,
+        values: Iterable[float],
+        attributes: Any,
+        key: Any = None,
+        context: Any = None,
+        ordered: Optional[List[float]] = None,
+    ) -> None:
         """``histogram.record(value, attributes)`` for every value, in order, in the current context.
         ``key``: :func:`attributes_key` of ``attributes``, and ``context``: the current context, when
-        the caller has them (``None``: found here)."""
+        the caller has them (``None``: found here). ``ordered``: ``sorted(values)``, when the caller
+        has it (a list of the same values, sorted: the values are not sorted again)."""
         record = self._histogram.record
         rest = values if type(values) is list else list(values)
         if not rest:
@@ -655,7 +677,7 @@ class FastHistogram:
         should_sample = exemplar_filter.should_sample
         setfield = object.__setattr__
         cleaned, targets, reuse = resolved.cleaned, resolved.targets, resolved.reuse
-        if resolved.bulk and once and self._aggregate_all(rest, context, exemplar_filter, resolved):
+        if resolved.bulk and once and self._aggregate_all(rest, context, exemplar_filter, resolved, ordered):
             return
         accepted = [isfinite(value) and value >= 0 for value in rest]
         # A reservoir that keeps the last value offered per bucket ends up holding the same exemplars
@@ -706,6 +728,7 @@ def record_values(entries: Iterable[Tuple[FastHistogram, float, Any, Any]], cont
     values share is found once per measurement consumer (one per ``MeterProvider``): its
     exemplar filter and reader storages, and the filter's answer for ``context``."""
     consumer_seen = exemplar_filter = storages = None
+    bisect_left = bisect.bisect_left
     eligible = False
     sample, ids = False, None
     config_seen: Any = _MISSING
@@ -753,7 +776,9 @@ def record_values(entries: Iterable[Tuple[FastHistogram, float, Any, Any]], cont
             continue
         now = time.time_ns() if sample else 0  # (only an exemplar reads the time)
         m = None
-        for aggregation, boundaries, reservoir in resolved.entries:
+        for aggregation, boundaries, reservoir, same in resolved.entries:
+            # (the bucket found before the lock is taken: the boundaries never change)
+            index = bisect_left(aggregation._boundaries, value)
             with aggregation._lock:  # what aggregate() does under its lock, in its order
                 if aggregation._value is None:
                     aggregation._value = aggregation._get_empty_bucket_counts()
@@ -763,11 +788,13 @@ def record_values(entries: Iterable[Tuple[FastHistogram, float, Any, Any]], cont
                         aggregation._min = value
                     if value > aggregation._max:
                         aggregation._max = value
-                aggregation._value[bisect.bisect_left(aggregation._boundaries, value)] += 1
+                aggregation._value[index] += 1
             if not sample:
                 continue
             if reservoir is not None:  # what its offer does
-                _offer_to_bucket(reservoir, bisect.bisect_left(boundaries, value), value, now, resolved.cleaned, ids)
+                _offer_to_bucket(
+                    reservoir, index if same else bisect_left(boundaries, value), value, now, resolved.cleaned, ids
+                )
                 continue
             if m is None:  # only an exemplar reads a measurement
                 m = helper._measurement(value, now, histogram, context, None)

@@ -51,12 +51,24 @@ def _points(reader):
     return sorted(out, key=repr)
 
 
-def _both(values, attributes=ATTRS, views=(), readers=1, in_span=True, prime=True, one_by_one=False, keyed=False):
+def _both(
+    values,
+    attributes=ATTRS,
+    views=(),
+    readers=1,
+    in_span=True,
+    prime=True,
+    one_by_one=False,
+    keyed=False,
+    presorted=False,
+):
     """The same values through ``record()`` per value and through ``record_many``. ``prime``: one
     earlier value recorded in both the public way, as an earlier request does, so that the
     aggregations exist and ``record_many`` takes its fast path (else it goes the public way).
     ``keyed``: the attributes' cache key computed once by the caller and passed on, with the
-    current context for ``record_one`` (as ``emit._record_metrics`` does for a request's histograms)."""
+    current context for ``record_one`` (as ``emit._record_metrics`` does for a request's histograms).
+    ``presorted``: ``record_many`` is also handed ``sorted(values)`` (as emit hands it the inter-token
+    latencies that derive sorted)."""
     tracer = TracerProvider().get_tracer("t")
     public, public_readers = _histogram(views, readers)
     fast_histogram, fast_readers = _histogram(views, readers)
@@ -79,7 +91,7 @@ def _both(values, attributes=ATTRS, views=(), readers=1, in_span=True, prime=Tru
             for value in values:
                 fast.record_one(value, attributes, key, current)
         else:
-            fast.record_many(iter(values), attributes, key)
+            fast.record_many(iter(values), attributes, key, None, sorted(values) if presorted else None)
     finally:
         if token is not None:
             ctx.detach(token)
@@ -270,10 +282,11 @@ def test_threads_with_different_attributes_each_get_their_own_values():
     refused=st.lists(st.sampled_from([-1.0, math.inf, float("nan")]), max_size=2),
     at=st.integers(min_value=0, max_value=60),
     in_span=st.booleans(),
+    presorted=st.booleans(),
 )
-def test_any_values_give_what_the_public_path_gives(values, refused, at, in_span):
+def test_any_values_give_what_the_public_path_gives(values, refused, at, in_span, presorted):
     values = values[:at] + refused + values[at:]
-    public, fast, helper = _both(values, in_span=in_span)
+    public, fast, helper = _both(values, in_span=in_span, presorted=presorted)
     assert public == fast and not helper.broken
 
 
