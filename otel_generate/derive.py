@@ -208,7 +208,8 @@ def _none_above(ordered_s: Sequence[float], factor: float) -> bool:
     too; false means "ask :func:`outliers`", not "there is one"."""
     middle = len(ordered_s) // 2
     median = ordered_s[middle] if len(ordered_s) % 2 else (ordered_s[middle - 1] + ordered_s[middle]) / 2
-    return ordered_s[-1] < factor * median * (1 - _MARGIN)
+    # (a median of 0 or below, from a malformed record, is left to the scan: the margin is relative)
+    return median > 0 and ordered_s[-1] < factor * median * (1 - _MARGIN)
 
 
 def first_token_step(tokens: Sequence[int]) -> Optional[int]:

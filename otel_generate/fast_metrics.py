@@ -728,7 +728,7 @@ def record_values(entries: Iterable[Tuple[FastHistogram, float, Any, Any]], cont
     values share is found once per measurement consumer (one per ``MeterProvider``): its
     exemplar filter and reader storages, and the filter's answer for ``context``."""
     consumer_seen = exemplar_filter = storages = None
-    bisect_left = bisect.bisect_left
+    bisect_left, time_ns, forgotten = bisect.bisect_left, time.time_ns, _lifecycle.metrics_forgotten
     eligible = False
     sample, ids = False, None
     config_seen: Any = _MISSING
@@ -760,7 +760,7 @@ def record_values(entries: Iterable[Tuple[FastHistogram, float, Any, Any]], cont
                     if eligible:
                         # _resolve's remembered answer, without its call (an uncached key is never stored)
                         cached = helper._cache.get(key) if key is not None else None
-                        if cached is not None and cached[0] is storages and cached[1] == _lifecycle.metrics_forgotten:
+                        if cached is not None and cached[0] is storages and cached[1] == forgotten:
                             resolved = cached[2]
                         else:
                             resolved = helper._resolve(attributes, key)
@@ -774,7 +774,7 @@ def record_values(entries: Iterable[Tuple[FastHistogram, float, Any, Any]], cont
             # (a reservoir that may keep any value: the per-value path, see _aggregate_all)
             helper.record_many((value,), attributes, key, context)
             continue
-        now = time.time_ns() if sample else 0  # (only an exemplar reads the time)
+        now = time_ns() if sample else 0  # (only an exemplar reads the time)
         m = None
         for aggregation, boundaries, reservoir, same in resolved.entries:
             # (the bucket found before the lock is taken: the boundaries never change)

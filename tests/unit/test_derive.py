@@ -169,6 +169,13 @@ def test_outliers_of_a_recording_request_are_the_nanosecond_scans_even_at_the_li
     latencies = [5, median, median, median, above]
     request = make([sum(latencies[: i + 1]) for i in range(5)], [1] * 5, prefill_steps=1)
     assert derive(request, StepSpanPolicy(STEP_SPANS_ALL), spans=True, inter_token=True).outliers == {4}
+    # explicit starts after their ends (a malformed record): negative latencies get the scan's answer,
+    # also a step just above a negative limit (the relative margin would point the wrong way)
+    latencies = [10, -10 * NS, -10 * NS, -4_999_999_998]
+    request = make([10, 20, 30, 40], [1] * 4, prefill_steps=1)
+    request.step_starts_ns = [end - latency for end, latency in zip(request.step_ends_ns, latencies)]
+    assert outliers(latencies, {0}, 0.5) == {3}
+    assert derive(request, StepSpanPolicy(STEP_SPANS_ALL, outlier_factor=0.5), spans=True).outliers == {3}
 
 
 def test_sorted_inter_token_latencies_only_where_they_are_the_decode_steps():
