@@ -60,10 +60,6 @@ class Summary:
             undefined.
         inter_token_latencies_s: one value per decode step (``inter_token``, successful requests
             with a time per output token), else empty.
-        inter_token_sorted_s: ``sorted(inter_token_latencies_s)`` where derivation sorted them
-            anyway (the outlier scan of a recording request whose steps are the common case: one
-            token each, back to back, only the first a prefill), else ``None``: the latency
-            histogram then need not sort them again.
         step_latencies_ns, step_latencies_s: every step's latency (``steps``), else empty.
         step_starts_ns, step_ends_ns: every step's bounds, monotonic nanoseconds (``steps``;
             the ends are always the request's).
@@ -82,6 +78,10 @@ class Summary:
             first step (``steps``), when known.
         acceptance_rate: assisted decoding's accepted ÷ proposed candidate tokens (``steps``),
             when any was proposed.
+        inter_token_sorted_s: ``sorted(inter_token_latencies_s)`` where derivation sorted them
+            anyway (the outlier scan of a recording request whose steps are the common case: one
+            token each, back to back, only the first a prefill), else ``None``: the latency
+            histogram then need not sort them again.
     """
 
     duration_s: float
@@ -89,7 +89,6 @@ class Summary:
     time_to_first_token_s: Optional[float]
     time_per_output_token_s: Optional[float]
     inter_token_latencies_s: Sequence[float] = _NO_STEPS
-    inter_token_sorted_s: Optional[List[float]] = None
     step_latencies_ns: Sequence[int] = _NO_STEPS
     step_latencies_s: Sequence[float] = _NO_STEPS
     step_starts_ns: Sequence[int] = _NO_STEPS
@@ -106,6 +105,7 @@ class Summary:
     streamer_s: Optional[float] = None
     time_in_queue_s: Optional[float] = None
     acceptance_rate: Optional[float] = None
+    inter_token_sorted_s: Optional[List[float]] = None
 
 
 def derive(
@@ -180,7 +180,8 @@ def derive(
         summary.steps_emitted = emit and policy.max_step_spans > 0 and bool(ends)
         summary.step_spans = min(len(latencies_ns), policy.max_step_spans) if emit else 0
         factor = policy.outlier_factor
-        if prefill == {0} and len(latencies_ns) > 3:  # the common case: the decode steps are all but the first
+        # the common case: the decode steps are all but the first (and a float factor, as Options makes it)
+        if prefill == {0} and len(latencies_ns) > 3 and type(factor) is float:
             # Sorted once, in seconds (floats compare in fewer instructions than ints), for the scan
             # and, where they are the inter-token latencies, for their histogram
             ordered_s = sorted(summary.inter_token_latencies_s if plain else summary.step_latencies_s[1:])
@@ -203,13 +204,14 @@ _MARGIN = 1e-9
 
 def _none_above(ordered_s: Sequence[float], factor: float) -> bool:
     """Whether no decode step is an outlier (:func:`outliers`), told from the decode steps'
-    latencies in seconds, sorted (at least 3): true only where the slowest is below ``factor``
-    times the median by more than :data:`_MARGIN` relatively, so that the nanoseconds would say so
-    too; false means "ask :func:`outliers`", not "there is one"."""
+    latencies in seconds, sorted (at least 3), all positive, ``factor`` a float: true only where
+    the slowest is below ``factor`` times the median by more than :data:`_MARGIN` relatively, so
+    that the nanoseconds would say so too; false means "ask :func:`outliers`", not "there is one"."""
     middle = len(ordered_s) // 2
     median = ordered_s[middle] if len(ordered_s) % 2 else (ordered_s[middle - 1] + ordered_s[middle]) / 2
-    # (a median of 0 or below, from a malformed record, is left to the scan: the margin is relative)
-    return median > 0 and ordered_s[-1] < factor * median * (1 - _MARGIN)
+    # (a latency of 0 or below, from a malformed record, leaves it to the scan: the margin is
+    # relative, and a median of a negative and a positive latency cancels)
+    return ordered_s[0] > 0 and ordered_s[-1] < factor * median * (1 - _MARGIN)
 
 
 def first_token_step(tokens: Sequence[int]) -> Optional[int]:
