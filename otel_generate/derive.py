@@ -207,11 +207,17 @@ def _none_above(ordered_s: Sequence[float], factor: float) -> bool:
     latencies in seconds, sorted (at least 3), all positive, ``factor`` a float: true only where
     the slowest is below ``factor`` times the median by more than :data:`_MARGIN` relatively, so
     that the nanoseconds would say so too; false means "ask :func:`outliers`", not "there is one"."""
-    middle = len(ordered_s) // 2
-    median = ordered_s[middle] if len(ordered_s) % 2 else (ordered_s[middle - 1] + ordered_s[middle]) / 2
+    median = _median_of_sorted(ordered_s)
     # (a latency of 0 or below, from a malformed record, leaves it to the scan: the margin is
     # relative, and a median of a negative and a positive latency cancels)
     return ordered_s[0] > 0 and ordered_s[-1] < factor * median * (1 - _MARGIN)
+
+
+def _median_of_sorted(ordered: Sequence[float]) -> float:
+    """The median of ``ordered`` (sorted, not empty): its middle value, or the mean of its two
+    middle values."""
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def first_token_step(tokens: Sequence[int]) -> Optional[int]:
@@ -307,8 +313,7 @@ def outliers(latencies_ns: Sequence[int], prefill: AbstractSet[int], factor: flo
     ordered.sort()
     if ordered[-1] <= factor * ordered[0]:  # the median is at least the fastest step: no outlier
         return frozenset()
-    middle = len(ordered) // 2
-    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    median = _median_of_sorted(ordered)
     limit = factor * median
     if ordered[-1] <= limit:  # the common case: no outlier
         return frozenset()
