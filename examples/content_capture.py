@@ -78,6 +78,7 @@ def main(argv=None) -> int:
         **inputs, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, tokenizer=tokenizer
     )
     completion = tokenizer.decode(output[0, prompt_length:], skip_special_tokens=True)
+    provider.force_flush()  # the spans are built on a background thread: wait for them
     span = request_span(exporter)
     print(f"request span: {span.name}")
     print(f"{INPUT_MESSAGES}: {span.attributes[INPUT_MESSAGES]}")
@@ -87,6 +88,7 @@ def main(argv=None) -> int:
     # 2. without it: nothing captured, one warning from the logger otel_generate
     exporter.clear()
     model.generate(**inputs, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None)
+    provider.force_flush()
     span = request_span(exporter)
     captured = sorted(set(span.attributes) & {INPUT_MESSAGES, OUTPUT_MESSAGES})
     print(f"without tokenizer=: captured attributes {captured}")

@@ -58,10 +58,11 @@ Configuration
 * ``outlier_factor`` (number >= 1, default 3.0): a decode step slower than this many times the
   request's median decode step is flagged ``generate.step.outlier``. Environment:
   ``OTEL_GENERATE_STEP_OUTLIER_FACTOR``.
-* ``background_emission`` (bool, default ``False``): build a finished request's spans and
-  metrics on a worker thread; ``generate()`` returns before its step spans exist. The SDK
-  providers' ``force_flush()``/``shutdown()`` wait for them. Environment:
-  ``OTEL_GENERATE_BACKGROUND_EMISSION``.
+* ``background_emission`` (bool, default ``True``): build a finished request's spans and
+  metrics on a worker thread, so that ``generate()`` pays only for recording; it returns before
+  its step spans exist. The providers' ``force_flush()``/``shutdown()`` and
+  :func:`force_flush` wait for them. ``False`` builds them on the caller's thread before
+  ``generate()`` returns. Environment: ``OTEL_GENERATE_BACKGROUND_EMISSION``.
 * ``measure_memory`` (bool, default ``True``): on CUDA, the peak memory allocated during each
   request (resets ``torch.cuda``'s peak statistic at its start). Environment:
   ``OTEL_GENERATE_MEASURE_MEMORY``.
@@ -87,12 +88,13 @@ from typing import TYPE_CHECKING, Any
 from otel_generate.version import __version__
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time these load on first use (__getattr__)
+    from otel_generate._lifecycle import force_flush
     from otel_generate.instrumentor import GenerateInstrumentor
     from otel_generate.options import DEFAULT_MAX_STEP_SPANS, ENV_MAX_STEP_SPANS, ENV_SYNCHRONIZE  # noqa: F401
     from otel_generate.profiler import TokenLatencyProfiler
     from otel_generate.record import GenerationRecord
 
-__all__ = ["GenerateInstrumentor", "GenerationRecord", "TokenLatencyProfiler", "__version__"]
+__all__ = ["GenerateInstrumentor", "GenerationRecord", "TokenLatencyProfiler", "force_flush", "__version__"]
 
 #: public name -> the module that defines it. Re-exports only, loaded when first read, so that
 #: ``import otel_generate.request`` (or any core module) loads neither the instrumentor, nor the
@@ -101,6 +103,7 @@ _EXPORTS = {
     "GenerateInstrumentor": "otel_generate.instrumentor",
     "TokenLatencyProfiler": "otel_generate.profiler",
     "GenerationRecord": "otel_generate.record",
+    "force_flush": "otel_generate._lifecycle",
     "DEFAULT_MAX_STEP_SPANS": "otel_generate.options",
     "ENV_MAX_STEP_SPANS": "otel_generate.options",
     "ENV_SYNCHRONIZE": "otel_generate.options",

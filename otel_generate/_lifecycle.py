@@ -39,17 +39,22 @@ requests a second time (apache/airflow#73147, open-telemetry/opentelemetry-pytho
 every forked child, right after the fork:
 
 * what this package's instruments aggregated is dropped (the child's own requests start new
-  series; the parent still exports its own). This reaches into the SDK's storage
-  (``_measurement_consumer._reader_storages``, ``_ViewInstrumentMatch._attributes_aggregation``):
-  no public SDK call resets an instrument; a provider without that storage (not the SDK's) is
-  left alone, and a failure is logged once. Other libraries' instruments are not touched.
+  series; the parent still exports its own): :func:`forget_inherited_metrics`, the one function of
+  this package that reads the SDK's storage, because no public call resets an instrument
+  (open-telemetry/opentelemetry-python#2767). It checks every structure it would write before it
+  writes any; a provider without that storage (the API's no-op) is left alone, and one with
+  another layout is left alone and reported once. Other libraries' instruments are not touched.
 * the child has recorded nothing yet: the exit flush above runs only in a process that finished
   at least one request of its own since it started (or since the fork). A child that generated
   nothing (a ``DataLoader`` worker) exports nothing at exit and never waits on an exporter.
 
-The SDK's ``BatchSpanProcessor`` (and ``BatchLogRecordProcessor``) clears its inherited queue in a
-forked child itself (its own after-fork hook, opentelemetry-sdk 1.45.1); this package's
-background emitter drops the parent's jobs too (:mod:`otel_generate.background`).
+The SDK's batch span processor clears its inherited queue in a forked child itself (its own
+after-fork hook); this package's background emitter drops the parent's jobs too
+(:mod:`otel_generate.background`).
+
+Every flush here (the exit flush, :func:`flush_in_use`, :func:`force_flush`) first drains the
+background emitter, so that the requests it still holds become spans and measurements before the
+providers export.
 
 A process killed by a signal it does not handle (``SIGKILL``; ``SIGTERM``, which
 ``Pool.terminate()`` and leaving a ``with Pool(...)`` block send to the workers still alive)
@@ -69,7 +74,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 from opentelemetry import metrics, trace
 
@@ -99,6 +104,9 @@ _instruments: List[Any] = []
 #: whether this process finished a request of its own, so its exit flush has work: set by
 #: :func:`otel_generate.emit.finish`, reset in a forked child
 recorded = False
+#: ``drain(timeout_s) -> bool`` of the background emitter of the instrumentation in place (every
+#: flush runs it first), or ``None``
+_drain: Optional[Callable[[Optional[float]], bool]] = None
 
 
 class _AfterForkToken:
@@ -108,7 +116,12 @@ class _AfterForkToken:
 _AFTER_FORK_TOKEN = _AfterForkToken()
 
 
-def enable(tracer_provider: Any = None, meter_provider: Any = None, instruments: Iterable[Any] = ()) -> None:
+def enable(
+    tracer_provider: Any = None,
+    meter_provider: Any = None,
+    instruments: Iterable[Any] = (),
+    drain: Optional[Callable[[Optional[float]], bool]] = None,
+) -> None:
     """Turn the exit flush on (``GenerateInstrumentor.instrument()`` calls it).
 
     Args:
@@ -116,10 +129,12 @@ def enable(tracer_provider: Any = None, meter_provider: Any = None, instruments:
             for the global ones (looked up when the flush runs).
         instruments: this package's metric instruments, whose inherited aggregations a forked
             child drops (kept after ``uninstrument()``: their data still sits in the SDK).
+        drain: the background emitter's ``drain(timeout_s)``, run before every flush.
     """
-    global _providers, _hooks_installed
+    global _providers, _hooks_installed, _drain
     with _lock:
         _providers = (tracer_provider, meter_provider)
+        _drain = drain
         for instrument in instruments:
             if not any(instrument is known for known in _instruments):
                 _instruments.append(instrument)
@@ -147,9 +162,10 @@ def _in_worker() -> bool:
 
 def disable() -> None:
     """Turn the exit flush off (``GenerateInstrumentor.uninstrument()`` calls it)."""
-    global _providers
+    global _providers, _drain
     with _lock:
         _providers = None
+        _drain = None
 
 
 def _after_fork_in_child() -> None:
@@ -165,34 +181,58 @@ def _after_fork_in_child() -> None:
     _arm_if_enabled()
 
 
-#: How many times :func:`forget_inherited_metrics` ran in this process: the only code that removes
-#: an SDK aggregation (the SDK never does), so what :mod:`otel_generate.fast_metrics` resolved
-#: while this count was the same still holds.
-metrics_forgotten = 0
-
-
 def forget_inherited_metrics(instruments: Iterable[Any]) -> int:
-    """Drop what ``instruments`` aggregated so far in every reader of their SDK ``MeterProvider``
-    (in a forked child: the parent's measurements). Returns how many series were dropped.
+    """In a forked child, drop what ``instruments`` (this package's own) aggregated in every reader
+    of their SDK meter provider: the parent's measurements, which the child would otherwise export
+    again. Returns how many series were dropped.
 
-    Instruments of another provider than the SDK's (the API's no-op, a proxy never set) have no
-    such storage and are skipped. The series' locks are replaced first: a parent thread may have
-    held one at the fork, and in the child nothing else runs yet.
+    This works around open-telemetry/opentelemetry-python#2767: no public call resets an
+    instrument, and a fork-pool worker re-exports its parent's requests without it. It is the one
+    place this package reads the SDK's storage, and it writes nothing it has not checked first:
+    the API's proxy instrument's ``_real_instrument``, the SDK instrument's
+    ``_measurement_consumer._reader_storages``, each storage's ``_instrument_view_instrument_matches``
+    and each match's ``_attributes_aggregation`` (a dict) and ``_lock``, as opentelemetry-sdk 1.30
+    to 1.45 lay them out. An instrument without that storage (the API's no-op, a proxy whose
+    provider was never set) has nothing to drop. Where a structure is not what it expects, it logs
+    once and leaves that instrument's storage alone. Each series' lock is replaced before its dict
+    is cleared: a parent thread may have held it at the fork, and in the child nothing else runs yet.
     """
-    global metrics_forgotten
-    metrics_forgotten += 1
-    dropped = 0
+    checked: list = []
     for instrument in instruments:
         real = getattr(instrument, "_real_instrument", instrument)  # the API's proxy forwards to this
         consumer = getattr(real, "_measurement_consumer", None)
+        if consumer is None:
+            continue  # not an SDK instrument: nothing aggregated here
         storages = getattr(consumer, "_reader_storages", None)
-        if not storages:
+        matches: list = []
+        layout_known = isinstance(storages, dict)
+        for storage in storages.values() if layout_known else ():
+            by_instrument = getattr(storage, "_instrument_view_instrument_matches", None)
+            found = by_instrument.get(real, ()) if isinstance(by_instrument, dict) else None
+            if not isinstance(found, (list, tuple)):
+                layout_known = False
+                break
+            for match in found:
+                series, lock = getattr(match, "_attributes_aggregation", None), getattr(match, "_lock", None)
+                if not isinstance(series, dict) or not callable(getattr(lock, "acquire", None)):
+                    layout_known = False
+                    break
+                matches.append(match)
+        if not layout_known:
+            _warn_once(
+                ("fork reset layout", type(real)),
+                "otel_generate: a forked child could not drop the metrics it inherited from its parent (the meter "
+                "provider's storage of %s is not the OpenTelemetry SDK's as this package knows it); the parent's "
+                "measurements of this package's instruments may be exported again by the child",
+                type(real).__qualname__,
+            )
             continue
-        for storage in list(storages.values()):
-            for match in storage._instrument_view_instrument_matches.get(real, ()):
-                match._lock = threading.Lock()
-                dropped += len(match._attributes_aggregation)
-                match._attributes_aggregation.clear()
+        checked.extend(matches)
+    dropped = 0
+    for match in checked:
+        match._lock = threading.Lock()
+        dropped += len(match._attributes_aggregation)
+        match._attributes_aggregation.clear()
     return dropped
 
 
@@ -221,26 +261,62 @@ def _arm() -> None:
 
 
 def _flush_at_exit() -> None:
-    providers = _providers
+    providers, drain = _providers, _drain
     if providers is None or os.getpid() != _finalizer_pid or not recorded:
         return  # off, another process's finalizer, or nothing of ours to send: never wait on an exporter
+    _run_drain(drain, max(export_timeout_s("spans"), export_timeout_s("metrics")))
     try:
         flush(*providers, reason=f"on the way out of process {os.getpid()}")
     except Exception:  # pragma: no cover - never break an exit
         pass
 
 
+def force_flush(timeout_s: float = 30.0) -> bool:
+    """Emit what the background emitter still holds, then force-flush the tracer and meter
+    providers in use (those given to ``instrument()``, else the global ones), within ``timeout_s``
+    seconds in all. For any provider with a ``force_flush`` method, the SDK's or another; the SDK's
+    providers' own ``force_flush`` drains the emitter too. True when everything finished in time.
+    Never raises.
+
+    Raises:
+        ValueError: ``timeout_s`` is not a positive number.
+    """
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    deadline = time.monotonic() + timeout_s
+    drain, providers = _drain, _providers
+    drained = _run_drain(drain, timeout_s)
+    if providers is None:
+        return drained
+    try:
+        left = max(0.001, deadline - time.monotonic())
+        return flush(*providers, reason="force_flush", shutdown=False, bound_s=left) and drained
+    except Exception:  # pragma: no cover - never raise from a flush
+        return False
+
+
+def _run_drain(drain: Optional[Callable[[Optional[float]], bool]], timeout_s: Optional[float]) -> bool:
+    if drain is None:
+        return True
+    try:
+        return bool(drain(timeout_s))
+    except Exception:  # pragma: no cover - never break a flush
+        return False
+
+
 def flush_in_use(reason: str) -> bool:
-    """Force-flush the providers the instrumentation uses, bounded like :func:`flush`; the
-    providers stay usable. Does nothing (returns ``True``) while the instrumentation is off.
+    """Drain the background emitter, then force-flush the providers the instrumentation uses,
+    bounded like :func:`flush`; the providers stay usable. Does nothing (returns ``True``) while
+    the instrumentation is off.
 
     For a server about to be ended by a signal it re-raises after its own graceful shutdown
     (uvicorn does so with ``SIGTERM`` and ``SIGINT``): that ends the process without the SDK's
     exit flush. Never raises.
     """
-    providers = _providers
+    providers, drain = _providers, _drain
     if providers is None:
         return True
+    _run_drain(drain, max(export_timeout_s("spans"), export_timeout_s("metrics")))
     try:
         return flush(*providers, reason=reason, shutdown=False)
     except Exception:  # pragma: no cover - never break a shutdown
@@ -281,7 +357,13 @@ def export_timeout_s(signal: str) -> float:
     return DEFAULT_EXPORT_TIMEOUT_S
 
 
-def flush(tracer_provider: Any = None, meter_provider: Any = None, reason: str = "", shutdown: bool = True) -> bool:
+def flush(
+    tracer_provider: Any = None,
+    meter_provider: Any = None,
+    reason: str = "",
+    shutdown: bool = True,
+    bound_s: Optional[float] = None,
+) -> bool:
     """Shut the providers down as a process on its way out does, waiting at most the exporter's timeout.
 
     ``shutdown()`` exports what is queued and stops the providers, exactly what the SDK's own
@@ -295,6 +377,7 @@ def flush(tracer_provider: Any = None, meter_provider: Any = None, reason: str =
         reason: words for the warning, e.g. ``"on the way out of process 123"``.
         shutdown: ``False`` force-flushes instead (``force_flush()``: the providers stay usable),
             for a process that may go on after the flush.
+        bound_s: the bound for both providers, instead of :func:`export_timeout_s`.
 
     Returns:
         ``True`` when every provider finished within its bound (:func:`export_timeout_s`);
@@ -309,7 +392,7 @@ def flush(tracer_provider: Any = None, meter_provider: Any = None, reason: str =
     for signal, provider in targets:
         if not callable(getattr(provider, "shutdown", None)) and not callable(getattr(provider, "force_flush", None)):
             continue
-        bound = export_timeout_s(signal)
+        bound = export_timeout_s(signal) if bound_s is None else bound_s
         thread = threading.Thread(
             target=_run_flush,
             args=(signal, provider, bound, shutdown),

@@ -96,10 +96,13 @@ class _LoaderConflictFilter(logging.Filter):
         return not (ENTRY_POINT_NAME in message and ("only instruments" in message or "Skipping" in message))
 
 
-def _loader_logger() -> logging.Logger:
-    from opentelemetry.instrumentation.auto_instrumentation import _load
+#: the logger of ``opentelemetry-instrument``'s loader (its module's name): looked up by name, nothing
+#: of the loader is imported; under another name the filter only stops applying (its message shows)
+LOADER_LOGGER = "opentelemetry.instrumentation.auto_instrumentation._load"
 
-    return getattr(_load, "_logger", None) or logging.getLogger(_load.__name__)
+
+def _loader_logger() -> logging.Logger:
+    return logging.getLogger(LOADER_LOGGER)
 
 
 def _keep_loader_conflict_out_of_the_log() -> None:

@@ -189,6 +189,9 @@ METRIC_TOKEN_USAGE = "gen_ai.client.token.usage"
 #: semantic-conventions-genai#232): one observation per decode step, the step's latency divided by the
 #: tokens it produced per sequence, seconds.
 METRIC_INTER_TOKEN_LATENCY = "generate.inter_token_latency"
+#: This package's own health: a counter of finished requests whose telemetry the background emitter
+#: dropped because its queue was full (attribute ``gen_ai.operation.name``).
+METRIC_EMITTER_DROPPED = "generate.emitter.dropped_requests"
 
 # Explicit bucket boundaries from the GenAI metrics page (seconds, or tokens for usage).
 BUCKETS_TIME_TO_FIRST_TOKEN_S = (

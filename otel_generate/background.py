@@ -1,23 +1,27 @@
 """Background emission: the telemetry of finished requests built on a worker thread.
 
-A producer that must not spend time on spans (the continuous-batching scheduler thread, or a
-``generate()`` caller with background emission on) hands each finished request to a
-:class:`BackgroundEmitter`: a bounded queue and one daemon thread that runs
-:func:`otel_generate.emit.finish` for it. The worker yields the interpreter lock between jobs
-(and every few spans inside one), so it runs while the producer waits on the device.
+A producer that must not spend time on spans (a ``generate()`` caller, by default, or the
+continuous-batching scheduler thread) hands each finished request to a :class:`BackgroundEmitter`:
+a bounded queue and one daemon thread that runs :func:`otel_generate.emit.finish` for it (the step
+spans, the request span's attributes and end, the histograms, through the public OpenTelemetry
+API). The worker yields the interpreter lock between jobs (and every few spans inside one), so it
+runs while the producer waits on the device.
 
-Bounded: at most ``max_pending`` requests wait; a request that finds the queue full is not
-emitted, and :attr:`BackgroundEmitter.dropped` counts it (a warning is logged once).
+Bounded, never blocking: at most ``max_pending`` requests wait. A request that finds the queue full
+is not emitted; it is counted (:attr:`BackgroundEmitter.dropped`, and the ``on_drop`` callback:
+the ``generate.emitter.dropped_requests`` counter), and a warning says so at once, then at most
+once per :data:`DROP_LOG_INTERVAL_S` with the count since the last one (and once more when the
+emitter drains at exit).
 
-Drained first: ``uninstrument()``, the SDK's ``TracerProvider.force_flush``/``shutdown`` and
-``MeterProvider.force_flush``/``shutdown`` (hooked by :func:`make_draining`, rows of
-:data:`otel_generate.instrumentor.PATCHES` installed when an emitter starts; that covers the pool-worker exit flush of
-:mod:`otel_generate._lifecycle`, which calls ``shutdown()``) wait for the queue to empty, at most
-their timeout. Interpreter exit too: the SDK registers its exit-time ``shutdown`` when a provider
-is created, bound before the hooks exist, so each emitter registers an ``atexit`` drain of its
-own, which runs before the providers' (``atexit`` runs the last registered first). Once stopped
-(``uninstrument()``), an emitter runs what is still handed to it (a request that was in flight)
-on the caller's thread, so nothing is lost.
+Drained first: ``uninstrument()``, :func:`otel_generate.force_flush`, the exit flush of
+:mod:`otel_generate._lifecycle`, and the ``force_flush``/``shutdown`` of the tracer and meter
+providers in use (wrapped by :func:`make_draining`: the ``"emitter"`` rows of
+:data:`otel_generate.instrumentor.PATCHES`) wait for the queue to empty, at most their timeout,
+before the providers flush. Interpreter exit too: a provider registers its exit-time ``shutdown``
+when it is created, usually before the emitter exists, so each emitter registers an ``atexit``
+drain of its own, which runs before the providers' (``atexit`` runs the last registered first).
+Once stopped (``uninstrument()``), an emitter runs what is still handed to it (a request that was
+in flight) on the caller's thread, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -25,18 +29,23 @@ from __future__ import annotations
 import atexit
 import collections
 import functools
+import logging
 import os
 import threading
 import time
 import weakref
 from typing import Callable, Deque, Optional
 
-from otel_generate._faults import Fault, log_fault_once
+from otel_generate._faults import LOGGER_NAME, Fault, log_fault_once
+
+_LOG = logging.getLogger(LOGGER_NAME)
 
 #: Requests waiting at most, by default.
 DEFAULT_MAX_PENDING = 1024
 #: How long a drain waits at most when the caller gives no timeout, seconds.
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+#: While requests are dropped, a warning at most this often (seconds), with the count since the last.
+DROP_LOG_INTERVAL_S = 60.0
 
 
 class BackgroundEmitter:
@@ -44,13 +53,26 @@ class BackgroundEmitter:
 
     Args:
         max_pending: at most this many jobs wait; :meth:`submit` refuses more (never blocks).
+        on_drop: called with no argument for each job refused (the dropped-requests counter);
+            its own faults are logged once.
+        before_job: called on the worker thread before each job (the instrumentor wraps the
+            flush of a provider set after ``instrument()``); its faults are logged once.
     """
 
-    def __init__(self, max_pending: int = DEFAULT_MAX_PENDING) -> None:
+    def __init__(
+        self,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        on_drop: Optional[Callable[[], None]] = None,
+        before_job: Optional[Callable[[], None]] = None,
+    ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
         self.max_pending = max_pending
         self.dropped = 0
+        self.on_drop = on_drop
+        self.before_job = before_job
+        self._unreported = 0  # dropped since the last warning
+        self._last_report: Optional[float] = None  # time.monotonic() of the last warning
         self._jobs: Deque[Callable[[], None]] = collections.deque()
         self._busy = False
         self._lock = threading.Lock()
@@ -58,6 +80,7 @@ class BackgroundEmitter:
         self._idle = threading.Condition(self._lock)
         self._thread: Optional[threading.Thread] = None
         self._pid = os.getpid()
+        _EMITTERS.add(self)
         self._stopped = False
         reference = weakref.ref(self)
 
@@ -65,6 +88,7 @@ class BackgroundEmitter:
             emitter = reference()
             if emitter is not None:
                 emitter.drain()
+                emitter.report_drops(final=True)
 
         atexit.register(drain_at_exit)
 
@@ -75,13 +99,13 @@ class BackgroundEmitter:
         flight when the instrumentation was turned off is still emitted).
         """
         with self._lock:
-            if os.getpid() != self._pid:  # a forked child: the parent's worker and jobs are not ours
-                self._jobs.clear()
-                self._thread, self._busy, self._pid = None, False, os.getpid()
+            if os.getpid() != self._pid:  # a forked child (without the fork hook): not ours
+                self._forget_parent()
             stopped = self._stopped
             full = not stopped and len(self._jobs) >= self.max_pending
             if full:
                 self.dropped += 1
+                self._unreported += 1
             elif not stopped:
                 self._jobs.append(job)
                 if self._thread is None:
@@ -95,14 +119,44 @@ class BackgroundEmitter:
             except Exception as fault:
                 log_fault_once(Fault.BACKGROUND_EMISSION, fault)
             return True
-        log_fault_once(
-            Fault.BACKGROUND_EMISSION,
-            RuntimeError(
-                f"the background emitter's queue is full ({self.max_pending} requests); requests are dropped and "
-                "counted"
-            ),
-        )
+        on_drop = self.on_drop
+        if on_drop is not None:
+            try:
+                on_drop()
+            except Exception as fault:
+                log_fault_once(Fault.BACKGROUND_EMISSION, fault)
+        self.report_drops()
         return False
+
+    def report_drops(self, final: bool = False) -> None:
+        """The warning for the requests dropped since the last one: at once for the first, then at
+        most once per :data:`DROP_LOG_INTERVAL_S`; ``final`` (at exit) says what is left unsaid."""
+        now = time.monotonic()
+        with self._lock:
+            count = self._unreported
+            due = self._last_report is None or now - self._last_report >= DROP_LOG_INTERVAL_S
+            if not count or not (due or final):
+                return
+            self._unreported, self._last_report = 0, now
+            total = self.dropped
+        _LOG.warning(
+            "otel_generate: the background emitter's queue was full (%d requests waiting): the telemetry of %d "
+            "finished request(s) was dropped (%d in all in this process; counted in generate.emitter.dropped_requests)",
+            self.max_pending,
+            count,
+            total,
+        )
+
+    def _forget_parent(self) -> None:
+        """In a forked child: the parent's worker thread does not exist here and its jobs are the
+        parent's to emit (the parent still holds them); a lock another parent thread held at the
+        fork would never be released."""
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._idle = threading.Condition(self._lock)
+        self._jobs.clear()
+        self._thread, self._busy, self._pid = None, False, os.getpid()
+        self._unreported = 0
 
     def pending(self) -> int:
         with self._lock:
@@ -139,6 +193,12 @@ class BackgroundEmitter:
                 job = self._jobs.popleft()
                 self._busy = True
             try:
+                before = self.before_job
+                if before is not None:
+                    try:
+                        before()
+                    except Exception as fault:
+                        log_fault_once(Fault.BACKGROUND_EMISSION, fault)
                 job()
             except Exception as fault:  # a job never kills the worker
                 log_fault_once(Fault.BACKGROUND_EMISSION, fault)
@@ -150,13 +210,30 @@ class BackgroundEmitter:
             time.sleep(0)  # yield the interpreter lock to the producer
 
 
+#: every emitter alive: each forgets its parent's jobs and locks in a forked child
+_EMITTERS: "weakref.WeakSet[BackgroundEmitter]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for emitter in list(_EMITTERS):
+        try:
+            emitter._forget_parent()
+        except Exception:  # pragma: no cover - never break a fork
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _timeout_s(args: tuple, kwargs: dict) -> Optional[float]:
     millis = kwargs.get("timeout_millis", args[0] if args else None)
     return None if millis is None else float(millis) / 1000.0
 
 
 def make_draining(original: Callable, emitter: BackgroundEmitter) -> Callable:
-    """A provider's ``force_flush``/``shutdown`` that first waits for the emitter's queue."""
+    """A provider's ``force_flush``/``shutdown`` that first waits for the emitter's queue (at most
+    the call's ``timeout_millis``, when it gives one), then runs the provider's own."""
 
     @functools.wraps(original)
     def draining(self, *args, **kwargs):

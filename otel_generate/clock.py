@@ -191,7 +191,7 @@ def _reads_first_parameter(cls: type) -> bool:
 
         import torch
 
-        from otel_generate._sdk_code import same_code
+        from otel_generate._source import same_code
 
         module = torch.nn.Module
         device = inspect.getattr_static(cls, "device", None)

@@ -78,10 +78,6 @@ class Summary:
             first step (``steps``), when known.
         acceptance_rate: assisted decoding's accepted ÷ proposed candidate tokens (``steps``),
             when any was proposed.
-        inter_token_sorted_s: ``sorted(inter_token_latencies_s)`` where derivation sorted them
-            anyway (the outlier scan of a recording request whose steps are the common case: one
-            token each, back to back, only the first a prefill), else ``None``: the latency
-            histogram then need not sort them again.
     """
 
     duration_s: float
@@ -105,7 +101,6 @@ class Summary:
     streamer_s: Optional[float] = None
     time_in_queue_s: Optional[float] = None
     acceptance_rate: Optional[float] = None
-    inter_token_sorted_s: Optional[List[float]] = None
 
 
 def derive(
@@ -182,15 +177,12 @@ def derive(
         factor = policy.outlier_factor
         # the common case: the decode steps are all but the first (and a float factor, as Options makes it)
         if prefill == {0} and len(latencies_ns) > 3 and type(factor) is float:
-            # Sorted once, in seconds (floats compare in fewer instructions than ints), for the scan
-            # and, where they are the inter-token latencies, for their histogram
+            # sorted once, in seconds (floats compare in fewer instructions than ints), for the scan
             ordered_s = sorted(summary.inter_token_latencies_s if plain else summary.step_latencies_s[1:])
             if _none_above(ordered_s, factor):
                 summary.outliers = frozenset()
             else:  # (a step near or above the limit: the exact scan, in nanoseconds)
                 summary.outliers = outliers(latencies_ns, prefill, factor)
-            if plain:
-                summary.inter_token_sorted_s = ordered_s
         else:
             summary.outliers = outliers(latencies_ns, prefill, factor)
     return summary

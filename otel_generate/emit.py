@@ -24,7 +24,6 @@ import json
 import time
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -33,8 +32,6 @@ from otel_generate import attributes as A
 from otel_generate import telemetry as _telemetry
 from otel_generate._faults import Fault, error_type, log_fault_once
 from otel_generate.derive import Summary, derive
-from otel_generate.fast_metrics import attributes_key, extended_key, record_values
-from otel_generate.fast_spans import fast_eligible, set_request_attributes
 from otel_generate.record import GenerationRecord
 from otel_generate.request import Request
 from otel_generate.telemetry import Telemetry  # noqa: E402
@@ -50,21 +47,32 @@ def start_request_span(telemetry: Telemetry, model: str, context: Any = None, st
 
     ``start_time`` is nanoseconds since the epoch (default: now).
     """
-    name = request_span_name(model)
-    attributes = {
-        A.GEN_AI_OPERATION_NAME: A.OPERATION_TEXT_COMPLETION,
-        A.GEN_AI_PROVIDER_NAME: A.PROVIDER_TRANSFORMERS,
-        A.GEN_AI_REQUEST_MODEL: model,
-        A.GEN_AI_RESPONSE_MODEL: model,
-    }
-    fast = telemetry.fast_request
-    if fast is not None:  # the same span as start_span's, without its call (otel_generate.fast_request_span)
-        span = fast.start(name, attributes, context, start_time)
-        if span is not None:
-            return span
+    name, attributes = _request_span_start(model)
     return telemetry.tracer.start_span(
         name, context=context, kind=SpanKind.INTERNAL, start_time=start_time, attributes=attributes
     )
+
+
+#: model -> (span name, start attributes), for the first :data:`_METRIC_ATTRIBUTE_SETS` models: the
+#: tracer copies the attributes it is given, so one dict serves every request of a model
+_request_span_starts: Dict[str, Tuple[str, Dict[str, Any]]] = {}
+
+
+def _request_span_start(model: str) -> Tuple[str, Dict[str, Any]]:
+    found = _request_span_starts.get(model)
+    if found is None:
+        found = (
+            request_span_name(model),
+            {
+                A.GEN_AI_OPERATION_NAME: A.OPERATION_TEXT_COMPLETION,
+                A.GEN_AI_PROVIDER_NAME: A.PROVIDER_TRANSFORMERS,
+                A.GEN_AI_REQUEST_MODEL: model,
+                A.GEN_AI_RESPONSE_MODEL: model,
+            },
+        )
+        if len(_request_span_starts) < _METRIC_ATTRIBUTE_SETS:
+            _request_span_starts[model] = found
+    return found
 
 
 def finish(
@@ -136,7 +144,7 @@ def finish(
         log_fault_once(Fault.REQUEST_SPAN_END, fault)
     if measured and summary is not None:  # every request, also one whose attributes faulted
         try:
-            _record_metrics(instruments, span, request, summary, telemetry.fast_histograms)
+            _record_metrics(instruments, span, request, summary)
         except Exception as fault:
             log_fault_once(Fault.METRICS, fault)
     if record is not None:
@@ -210,8 +218,7 @@ def _annotate(
             span.set_status(Status(StatusCode.ERROR, f"{type(request.error).__name__}: {request.error}"))
         if not steps_unseen:
             attrs[A.GENERATE_STEP_SPANS_DROPPED] = len(summary.step_latencies_ns) - summary.step_spans
-        if not set_request_attributes(span, attrs):
-            span.set_attributes(attrs)
+        span.set_attributes(attrs)
         _emit_steps(telemetry, span, request, summary, yield_every)
     if not record:
         return None
@@ -244,7 +251,6 @@ def _emit_steps(telemetry: Telemetry, span: Any, request: Request, summary: Summ
     wall_offset = request.start_wall_ns - request.start_ns
     parent = trace.set_span_in_context(span)
     parents = [parent] * emitted
-    parent_spans = [span.get_span_context()] * emitted
     for call in request.calls:
         group = tracer.start_span(
             A.SPAN_INNER_GENERATE,
@@ -257,7 +263,6 @@ def _emit_steps(telemetry: Telemetry, span: Any, request: Request, summary: Summ
         context = trace.set_span_in_context(group)
         for index in range(call.first_step, min(call.first_step + call.steps, emitted)):
             parents[index] = context
-            parent_spans[index] = group.get_span_context()
     if not emitted:
         return
     start_span = tracer.start_span
@@ -271,8 +276,6 @@ def _emit_steps(telemetry: Telemetry, span: Any, request: Request, summary: Summ
     token_ids = request.step_token_ids or ()  # opt-in content, one list per step
     logprobs = request.step_logprobs or ()
     extra = bool(step_requests is not None or token_ids or logprobs or outliers)
-    # the base attributes and the outlier flag are numbers: only the others need fast_eligible's check
-    check = bool(step_requests is not None or token_ids or logprobs)
     INDEX, TOKEN, TOKENS, LATENCY = (
         A.GENERATE_STEP_INDEX,
         A.GENERATE_TOKEN_INDEX,
@@ -280,10 +283,6 @@ def _emit_steps(telemetry: Telemetry, span: Any, request: Request, summary: Summ
         A.GENERATE_STEP_LATENCY,
     )
     PREFILL, DECODE = A.STEP_SPAN_PREFILL, A.STEP_SPAN_DECODE
-    names = [PREFILL if index in prefill else DECODE for index in range(emitted)]
-    span_starts = [start + wall_offset for start in starts[:emitted]]
-    span_ends = [end + wall_offset for end in ends[:emitted]]
-    step_attributes = []
     token_index = 0
     for index in range(emitted):
         attributes = {INDEX: index, TOKEN: token_index, TOKENS: tokens[index], LATENCY: latencies_s[index]}
@@ -297,31 +296,18 @@ def _emit_steps(telemetry: Telemetry, span: Any, request: Request, summary: Summ
             if index < len(logprobs) and logprobs[index]:
                 attributes[A.GENERATE_STEP_LOGPROBS] = logprobs[index]
         token_index += tokens[index]
-        step_attributes.append(attributes)
-    fast = telemetry.fast
-    fast_emit = fast.emit_many if fast is not None and fast.usable() else None
-    eligible = list(map(fast_eligible, step_attributes)) if check and fast_emit is not None else None
-    index = 0
-    while index < emitted:
-        if fast_emit is not None:  # the fast path, in order, up to the first step it cannot take
-            index = fast_emit(
-                parents, parent_spans, names, span_starts, span_ends, step_attributes, index, eligible, yield_every
-            )
-            if index >= emitted:
-                break
         try:
             start_span(
-                names[index],
+                PREFILL if index in prefill else DECODE,
                 context=parents[index],
                 kind=internal,
-                start_time=span_starts[index],
-                attributes=step_attributes[index],
-            ).end(end_time=span_ends[index])
+                start_time=starts[index] + wall_offset,
+                attributes=attributes,
+            ).end(end_time=ends[index] + wall_offset)
         except Exception as fault:  # a span processor raised: the other steps and the metrics still go
             log_fault_once(Fault.STEP_SPAN_EXPORT, fault)
         if yield_every and index % yield_every == yield_every - 1:
             time.sleep(0)  # a background emitter lets the producer run
-        index += 1
 
 
 def _add_response_attributes(attrs: Dict[str, Any], request: Request, summary: Optional[Summary]) -> None:
@@ -385,12 +371,11 @@ _METRIC_ATTRIBUTE_SETS = 64
 
 
 def _metric_attributes(model: str, error_type: Optional[str]) -> tuple:
-    """``(base, key, input usage, its key, output usage, its key)``: the attributes of a request's
-    histograms (operation, provider, model and, for a failed request, ``error.type``), those of its
-    two token usage values (``gen_ai.token.type`` added), each with its
-    :func:`~otel_generate.fast_metrics.attributes_key`. The same objects for every request of
-    ``model`` with ``error_type`` (remembered for the first :data:`_METRIC_ATTRIBUTE_SETS`
-    pairs): the SDK and the fast path read them and keep no reference they change."""
+    """``(base, input usage, output usage)``: the attributes of a request's histograms (operation,
+    provider, model and, for a failed request, ``error.type``) and those of its two token usage
+    values (``gen_ai.token.type`` added). The same dicts for every request of ``model`` with
+    ``error_type`` (remembered for the first :data:`_METRIC_ATTRIBUTE_SETS` pairs): ``record()``
+    reads its attributes and keeps no reference it changes."""
     found = _metric_attribute_sets.get((model, error_type))
     if found is not None:
         return found
@@ -401,88 +386,49 @@ def _metric_attributes(model: str, error_type: Optional[str]) -> tuple:
     }
     if error_type is not None:
         base[A.ERROR_TYPE] = error_type
-    key = attributes_key(base)  # (the fast path's cache key)
-    made = [base, key]
-    for token_type in (A.TOKEN_TYPE_INPUT, A.TOKEN_TYPE_OUTPUT):
-        made.append({**base, A.GEN_AI_TOKEN_TYPE: token_type})
-        made.append(extended_key(key, A.GEN_AI_TOKEN_TYPE, token_type))
-    found = tuple(made)
+    found = (
+        base,
+        {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_INPUT},
+        {**base, A.GEN_AI_TOKEN_TYPE: A.TOKEN_TYPE_OUTPUT},
+    )
     if len(_metric_attribute_sets) < _METRIC_ATTRIBUTE_SETS:
         _metric_attribute_sets[(model, error_type)] = found
     return found
 
 
-def _record_metrics(
-    instruments: Dict[str, Any],
-    span: Any,
-    request: Request,
-    summary: Summary,
-    fast: Optional[Dict[str, Any]] = None,
-) -> None:
+def _record_metrics(instruments: Dict[str, Any], span: Any, request: Request, summary: Summary) -> None:
     """The GenAI histograms and the inter-token latency histogram of one request, from its
-    ``summary``.
+    ``summary``, through the public ``Histogram.record(value, attributes, context=...)``.
 
-    Recorded while the request span is the current span when it is sampled, so exemplars point
-    at it; an unsampled request's measurements are recorded under no span at all, so no exemplar
-    points at a trace that was not kept. ``fast``: name ->
-    :class:`~otel_generate.fast_metrics.FastHistogram` (or ``None``) of the instruments that may
-    take the fast path, which gives exactly what ``record()`` would.
+    The context handed to ``record()`` holds the request span when it is sampled, so exemplars
+    point at it; an unsampled request's measurements are recorded under no span at all, so no
+    exemplar points at a trace that was not kept. Nothing is attached to the thread's context.
     """
-    fast = fast or {}
     error = summary.error_type is not None
-    base, key, input_usage, input_key, output_usage, output_key = _metric_attributes(request.model, summary.error_type)
+    base, input_usage, output_usage = _metric_attributes(request.model, summary.error_type)
+    exemplar_span = span if span.get_span_context().trace_flags.sampled else trace.INVALID_SPAN
+    context = trace.set_span_in_context(exemplar_span)
     duration_s = summary.duration_s
-    # (name, value, attributes, their cache key or None): one value each, recorded in this order
-    values = [
-        (A.METRIC_REQUEST_DURATION, duration_s, base, key),
-        (A.METRIC_CLIENT_OPERATION_DURATION, duration_s, base, key),
-    ]
+    instruments[A.METRIC_REQUEST_DURATION].record(duration_s, base, context=context)
+    instruments[A.METRIC_CLIENT_OPERATION_DURATION].record(duration_s, base, context=context)
     # defined for successful responses only (GenAI metrics page); the inter-token latency alike
     if not error:
         if summary.time_to_first_token_s is not None:
-            values.append((A.METRIC_TIME_TO_FIRST_TOKEN, summary.time_to_first_token_s, base, key))
+            instruments[A.METRIC_TIME_TO_FIRST_TOKEN].record(summary.time_to_first_token_s, base, context=context)
         if summary.time_per_output_token_s is not None:
-            values.append((A.METRIC_TIME_PER_OUTPUT_TOKEN, summary.time_per_output_token_s, base, key))
-    if A.METRIC_TOKEN_USAGE in instruments:
+            instruments[A.METRIC_TIME_PER_OUTPUT_TOKEN].record(summary.time_per_output_token_s, base, context=context)
+    usage = instruments.get(A.METRIC_TOKEN_USAGE)
+    if usage is not None:
         if request.input_tokens is not None:
-            values.append((A.METRIC_TOKEN_USAGE, request.input_tokens, input_usage, input_key))
+            usage.record(request.input_tokens, input_usage, context=context)
         if request.output_tokens is not None:
-            values.append((A.METRIC_TOKEN_USAGE, request.output_tokens, output_usage, output_key))
-    latencies = (
-        summary.inter_token_latencies_s
-        if not error and summary.time_per_output_token_s is not None and A.METRIC_INTER_TOKEN_LATENCY in instruments
-        else None
-    )
-    exemplar_span = span if span.get_span_context().trace_flags.sampled else trace.INVALID_SPAN
-    # the context the measurements are recorded in, handed to the fast path (which would look it up
-    # per histogram); already current when its span is the one exemplars may point at (an unsampled
-    # request with no parent): nothing to attach then
-    context = otel_context.get_current()
-    token = None
-    if trace.get_current_span(context) is not exemplar_span:
-        context = trace.set_span_in_context(exemplar_span, context)
-        token = otel_context.attach(context)
-    try:
-        single = []  # (the fast path's values, recorded in one loop)
-        for name, value, attributes, value_key in values:
-            helper = fast.get(name)
-            if helper is not None:
-                single.append((helper, value, attributes, value_key))
-            else:
-                instruments[name].record(value, attributes)
-        if single:
-            record_values(single, context)
-        if latencies is not None:
-            helper = fast.get(A.METRIC_INTER_TOKEN_LATENCY)
-            if helper is not None:
-                helper.record_many(latencies, base, key, context, summary.inter_token_sorted_s)
-            else:
-                record = instruments[A.METRIC_INTER_TOKEN_LATENCY].record
-                for value in latencies:
-                    record(value, base)
-    finally:
-        if token is not None:
-            otel_context.detach(token)
+            usage.record(request.output_tokens, output_usage, context=context)
+    if not error and summary.time_per_output_token_s is not None:
+        inter_token = instruments.get(A.METRIC_INTER_TOKEN_LATENCY)
+        if inter_token is not None:
+            record = inter_token.record
+            for value in summary.inter_token_latencies_s:  # one value per decode step, as vLLM records it
+                record(value, base, context=context)
 
 
 _telemetry.bind_finish(finish)  # Telemetry.emit runs finish without importing this module

@@ -21,6 +21,7 @@ import sys
 import threading
 from typing import Any, Collection, NamedTuple, Optional, Tuple
 
+from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from otel_generate import _lifecycle, package
@@ -40,7 +41,13 @@ CONTINUOUS = "transformers.generation.continuous_batching.continuous_api"
 SERVE = "transformers.cli.serving.utils"
 SERVER = "transformers.cli.serving.server"
 PIPELINES = "transformers.pipelines.base"
-SDK_TRACE, SDK_METRICS = "opentelemetry.sdk.trace", "opentelemetry.sdk.metrics"
+#: ``module`` of the rows that wrap the ``force_flush``/``shutdown`` of the tracer and meter providers
+#: in use (those given to ``instrument()``, else the global ones): nothing is imported or named; the
+#: class that defines the method is found from the provider object when the background emitter starts,
+#: and again for a global provider set later (:func:`wrap_provider_flushes`). A provider without the
+#: method (the API's no-op and stand-in providers) is left alone.
+PROVIDERS = "<the providers in use>"
+TRACER_PROVIDER, METER_PROVIDER = "tracer provider", "meter provider"
 #: ``owner`` of a row that is a module-level function, not a class attribute.
 MODULE_LEVEL = ""
 #: ``owner`` suffix: the row also applies to every subclass defining the attribute, now and later
@@ -79,10 +86,10 @@ PATCHES: Tuple[Patch, ...] = (
     Patch("always",   SERVE,       "InferenceThread",           "async_submit",                  "serve.make_submit",                               False),
     Patch("always",   SERVER,      MODULE_LEVEL,                "build_server",                  "serve.make_build_server",                         False),
     Patch("content",  PIPELINES,   "Pipeline",                  "forward",                       "pipelines.make_forward",                          False),
-    Patch("emitter",  SDK_TRACE,   "TracerProvider",            "force_flush",                   "background.make_draining",                        False),
-    Patch("emitter",  SDK_TRACE,   "TracerProvider",            "shutdown",                      "background.make_draining",                        False),
-    Patch("emitter",  SDK_METRICS, "MeterProvider",             "force_flush",                   "background.make_draining",                        False),
-    Patch("emitter",  SDK_METRICS, "MeterProvider",             "shutdown",                      "background.make_draining",                        False),
+    Patch("emitter",  PROVIDERS,   TRACER_PROVIDER,             "force_flush",                   "background.make_draining",                        False),
+    Patch("emitter",  PROVIDERS,   TRACER_PROVIDER,             "shutdown",                      "background.make_draining",                        False),
+    Patch("emitter",  PROVIDERS,   METER_PROVIDER,              "force_flush",                   "background.make_draining",                        False),
+    Patch("emitter",  PROVIDERS,   METER_PROVIDER,              "shutdown",                      "background.make_draining",                        False),
 )
 # fmt: on
 #: Not class patches, so not in :data:`PATCHES` and nothing for ``uninstrument()`` to undo: per
@@ -201,11 +208,15 @@ def _has(module: Any, row: Patch) -> bool:
 
 def install(patches: Patches, telemetry: Telemetry, when: Collection[str] = ("always", "content", "logprobs")) -> None:
     """Register the post-import hooks for the rows of :data:`PATCHES` whose ``when`` is in ``when``
-    (and that the options ask for), one hook per module, in table order."""
+    (and that the options ask for), one hook per module, in table order; the :data:`PROVIDERS`
+    rows are installed at once (:func:`wrap_provider_flushes`)."""
     modules: dict = {}
     for row in PATCHES:
         if row.when in when and _wanted(row, telemetry):
             modules.setdefault(row.module, []).append(row)
+    providers = modules.pop(PROVIDERS, None)
+    if providers:
+        wrap_provider_flushes(patches, telemetry, tuple(providers))
     for name, rows in modules.items():
 
         def installer(module: Any, name: str = name, rows: Tuple[Patch, ...] = tuple(rows)) -> None:
@@ -217,14 +228,51 @@ def install(patches: Patches, telemetry: Telemetry, when: Collection[str] = ("al
         patches.on_import(name, installer)
 
 
+def _providers_in_use(telemetry: Telemetry) -> Tuple[Tuple[str, Any], ...]:
+    options = telemetry.options
+    tracer_provider = options.tracer_provider if options.tracer_provider is not None else trace.get_tracer_provider()
+    meter_provider = options.meter_provider if options.meter_provider is not None else metrics.get_meter_provider()
+    return ((TRACER_PROVIDER, tracer_provider), (METER_PROVIDER, meter_provider))
+
+
+def wrap_provider_flushes(patches: Patches, telemetry: Telemetry, rows: Optional[Tuple[Patch, ...]] = None) -> None:
+    """The :data:`PROVIDERS` rows: the ``force_flush``/``shutdown`` of the class of each provider in
+    use drain the background emitter first. Each method is wrapped where the provider's class (or
+    the first class of its MRO) defines it, once per set of patches; ``uninstrument()`` restores it.
+    Public methods only, found on the object: no SDK module is imported or named here."""
+    if rows is None:
+        rows = tuple(row for row in PATCHES if row.module == PROVIDERS)
+    emitter = telemetry.emitter
+    if emitter is None:
+        return
+    in_use = _providers_in_use(telemetry)
+    last = telemetry.wrapped_providers
+    if len(last) == len(in_use) and all(a[1] is b[1] for a, b in zip(last, in_use)):
+        return  # (before each background job: the same providers as last time)
+    telemetry.wrapped_providers = in_use
+    providers = dict(in_use)
+    for row in rows:
+        provider = providers.get(row.owner)
+        if provider is None or not callable(getattr(provider, row.attribute, None)):
+            continue
+        owner = next((klass for klass in type(provider).__mro__ if row.attribute in vars(klass)), None)
+        if owner is not None and owner is not object and not patches.is_installed(owner, row.attribute):
+            patches.replace(owner, row.attribute, _factory(row.factory), emitter)
+
+
 def start_emitter(patches: Patches, telemetry: Telemetry) -> Any:
-    """The background emitter (created once), with the SDK providers draining it first (the
-    ``"emitter"`` rows of :data:`PATCHES`)."""
+    """The background emitter (created once), with the providers in use draining it first (the
+    ``"emitter"`` rows of :data:`PATCHES`), also a global provider set after ``instrument()``
+    (checked on the emitter's thread before each job)."""
     with _EMITTER_LOCK:
         if telemetry.emitter is None:
             from otel_generate.background import BackgroundEmitter
 
-            telemetry.emitter = BackgroundEmitter()
+            def before_job() -> None:
+                if telemetry.active:
+                    wrap_provider_flushes(patches, telemetry)
+
+            telemetry.emitter = BackgroundEmitter(on_drop=telemetry.count_dropped, before_job=before_job)
             install(patches, telemetry, when=("emitter",))
     return telemetry.emitter
 
@@ -276,8 +324,14 @@ class GenerateInstrumentor(BaseInstrumentor):
         if options.background_emission:
             start_emitter(patches, telemetry)
         self._telemetry, self._patches = telemetry, patches
-        # pool workers flush on exit; a forked child drops the parent's aggregations of these instruments
-        _lifecycle.enable(options.tracer_provider, options.meter_provider, telemetry.instruments.values())
+        # pool workers flush on exit; a forked child drops the parent's aggregations of these instruments;
+        # every flush drains the background emitter first
+        _lifecycle.enable(
+            options.tracer_provider,
+            options.meter_provider,
+            telemetry.instruments.values(),
+            drain=telemetry.drain_emitter,
+        )
 
     def _uninstrument(self, **kwargs: Any) -> None:
         telemetry, patches = self._telemetry, self._patches

@@ -80,7 +80,7 @@ class Options:
     slow_time_per_output_token: float = DEFAULT_SLOW_TIME_PER_OUTPUT_TOKEN_S
     slow_fraction: float = DEFAULT_SLOW_FRACTION
     outlier_factor: float = DEFAULT_OUTLIER_FACTOR
-    background_emission: bool = False
+    background_emission: bool = True
     measure_memory: bool = True
     capture_message_content: Any = None
     capture_step_token_ids: bool = False
@@ -315,7 +315,7 @@ def resolve(kwargs: Dict[str, Any]) -> Options:
             )
         ),
         background_emission=pick(
-            "background_emission", bool, "a bool", None, "", ENV_BACKGROUND_EMISSION, False, _parse_bool
+            "background_emission", bool, "a bool", None, "", ENV_BACKGROUND_EMISSION, True, _parse_bool
         ),
         measure_memory=pick("measure_memory", bool, "a bool", None, "", ENV_MEASURE_MEMORY, True, _parse_bool),
         capture_message_content=mode,

@@ -20,6 +20,7 @@ from typing import Any, Callable, Collection, Dict, Optional, Sequence
 
 from opentelemetry import metrics, trace
 
+from otel_generate import _lifecycle
 from otel_generate import attributes as A
 from otel_generate import content as _content
 from otel_generate._faults import Fault, log_fault_once
@@ -72,12 +73,6 @@ class Telemetry:
             or ``None`` when none is: then no content code runs at all.
         emitter: the :class:`~otel_generate.background.BackgroundEmitter` (background emission,
             continuous batching), or ``None``.
-        fast: builds step spans directly where that is exactly what the public API gives
-            (:mod:`otel_generate.fast_spans`), else ``None``.
-        fast_request: starts the request span as ``tracer.start_span`` would, without its call
-            (:mod:`otel_generate.fast_request_span`), else ``None``.
-        fast_histograms: metric name -> :class:`~otel_generate.fast_metrics.FastHistogram` or
-            ``None`` (an instrument that is not the SDK's own histogram), for every instrument.
     """
 
     def __init__(
@@ -106,7 +101,10 @@ class Telemetry:
         self.active = True
         self.content = content
         self.emitter: Any = None
-        self._metric_probe = self.instruments.get(A.METRIC_REQUEST_DURATION)
+        #: ``((role, provider), ...)`` whose flushes were last wrapped to drain the emitter
+        self.wrapped_providers: tuple = ()
+        #: the ``generate.emitter.dropped_requests`` counter (``None``: no meter)
+        self.dropped_counter: Any = (instruments or {}).get(A.METRIC_EMITTER_DROPPED)
         #: requests still in their set-up (``generate()`` entered, the loop's hooks not all reached):
         #: call -> thread ident; ``uninstrument()`` waits for them (bounded) before removing the hooks
         self.setups: Dict[Any, int] = {}
@@ -116,13 +114,6 @@ class Telemetry:
         self.setups_changed = threading.Condition(self.setups_lock)
         self.setup_waiters = 0  # threads in wait_for_setups (guarded by setups_lock)
         _TELEMETRIES.add(self)  # a forked child forgets the parent's other threads' set-ups
-        from otel_generate.fast_metrics import FastHistogram
-        from otel_generate.fast_request_span import FastRequestSpans
-        from otel_generate.fast_spans import FastStepSpans
-
-        self.fast = FastStepSpans.for_tracer(tracer)
-        self.fast_request = FastRequestSpans.for_tracer(tracer)
-        self.fast_histograms = {name: FastHistogram.for_instrument(h) for name, h in self.instruments.items()}
 
     @classmethod
     def from_options(cls, options: Options, profilers: Callable[[], Sequence[Any]] = _no_profilers) -> "Telemetry":
@@ -149,18 +140,32 @@ class Telemetry:
         self.setup_waiters = 0
 
     def metrics_live(self) -> bool:
-        """Whether a measurement recorded now reaches a meter provider that aggregates it (an SDK
-        ``MeterProvider``): not the API's no-op provider, nor its proxy while no provider is set.
-        Asked per request: a global provider may be set after ``instrument()``."""
-        probe = self._metric_probe
-        if probe is None:
+        """Whether a measurement recorded now reaches a meter provider that aggregates it: one
+        that can be flushed (``force_flush``, as the SDK's ``MeterProvider`` and any exporting
+        provider has), not the API's no-op provider, nor its stand-in while no global provider is
+        set. Asked per request: a global provider may be set after ``instrument()``."""
+        if not self.instruments:
             return False
-        real = getattr(probe, "_real_instrument", probe)  # the API's proxy instrument forwards to this one
-        return real is not None and not isinstance(real, metrics.NoOpHistogram)
+        provider = self.options.meter_provider
+        if provider is None:
+            provider = metrics.get_meter_provider()
+        return callable(getattr(provider, "force_flush", None))
 
     def stop_emitter(self) -> None:
         if self.emitter is not None:
             self.emitter.stop()
+
+    def drain_emitter(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait until the background emitter has emitted every request handed to it (at most
+        ``timeout_s``); True when it did, or when there is no emitter."""
+        emitter = self.emitter
+        return True if emitter is None else emitter.drain(timeout_s)
+
+    def count_dropped(self) -> None:
+        """One finished request the background emitter's full queue refused (its telemetry is lost)."""
+        counter = self.dropped_counter
+        if counter is not None:
+            counter.add(1, _DROPPED_ATTRIBUTES)
 
     def emit(self, span: Any, request: Request, profilers: Sequence[Any] = ()) -> tuple:
         """:func:`~otel_generate.emit.finish` now, or on the background emitter when background
@@ -173,11 +178,13 @@ class Telemetry:
         emitter, finish = self.emitter, _finish
         if finish is None:  # pragma: no cover - every producer imports otel_generate.emit
             raise RuntimeError("otel_generate.emit is not imported: nothing to emit with")
-        if emitter is not None and self.options.background_emission and not profilers:
+        # (a failed request is emitted now: its exception's traceback holds the caller's frames, which
+        # must not outlive the call, and failures are rare)
+        if emitter is not None and self.options.background_emission and not profilers and request.error is None:
+            _lifecycle.recorded = True  # this process has telemetry of its own to flush at exit
 
             def job() -> None:
                 finish(self, span, request, (), yield_every=BACKGROUND_YIELD_EVERY)
-                request.error = None  # the traceback holds the caller's frames
 
             emitter.submit(job)
             return None, True
@@ -229,8 +236,13 @@ def get_event_logger(logger_provider: Any = None) -> Any:
     return _logs.get_logger(INSTRUMENTATION_NAME, __version__, logger_provider, schema_url=A.SCHEMA_URL)
 
 
+#: the attributes of the dropped-requests counter: the operation whose telemetry was dropped
+_DROPPED_ATTRIBUTES = {A.GEN_AI_OPERATION_NAME: A.OPERATION_TEXT_COMPLETION}
+
+
 def create_instruments(meter_provider: Any = None) -> Dict[str, Any]:
-    """The GenAI histograms, with the conventions' units and explicit bucket boundaries."""
+    """The GenAI histograms, with the conventions' units and explicit bucket boundaries, and this
+    package's counter of requests whose telemetry the background emitter dropped."""
     meter = metrics.get_meter(INSTRUMENTATION_NAME, __version__, meter_provider, schema_url=A.SCHEMA_URL)
 
     def histogram(name: str, unit: str, description: str, buckets: Collection[float]) -> Any:
@@ -238,7 +250,7 @@ def create_instruments(meter_provider: Any = None) -> Dict[str, Any]:
             name, unit=unit, description=description, explicit_bucket_boundaries_advisory=list(buckets)
         )
 
-    return {
+    instruments = {
         A.METRIC_TIME_TO_FIRST_TOKEN: histogram(
             A.METRIC_TIME_TO_FIRST_TOKEN,
             "s",
@@ -277,3 +289,10 @@ def create_instruments(meter_provider: Any = None) -> Dict[str, Any]:
             A.BUCKETS_INTER_TOKEN_LATENCY_S,
         ),
     }
+    instruments[A.METRIC_EMITTER_DROPPED] = meter.create_counter(
+        A.METRIC_EMITTER_DROPPED,
+        unit="{request}",
+        description="Finished requests whose spans and metrics were dropped because the background emitter's "
+        "queue was full.",
+    )
+    return instruments

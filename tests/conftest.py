@@ -6,20 +6,19 @@ from __future__ import annotations
 
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import otel_generate.emit
 import otel_generate.instrumentor
 import otel_generate.options
 from otel_generate import GenerateInstrumentor
+from tests.helpers.instrumenting import DrainingMetricReader, DrainingSpanExporter, drain_emitter  # noqa: F401
 
 
 @pytest.fixture
 def span_exporter():
-    return InMemorySpanExporter()
+    return DrainingSpanExporter()
 
 
 @pytest.fixture
@@ -31,7 +30,7 @@ def tracer_provider(span_exporter):
 
 @pytest.fixture
 def metric_reader():
-    return InMemoryMetricReader()
+    return DrainingMetricReader()
 
 
 @pytest.fixture

@@ -145,9 +145,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--background-emission",
-        action="store_true",
-        help="--compare: instrument(background_emission=True), spans built on a worker thread; the "
-        "flush after each instrumented call (outside its timer) waits for them and is charged to it",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--compare: instrument(background_emission=True) (the default: spans built on a worker thread; the "
+        "flush after each instrumented call, outside its timer, waits for them and is charged to it) or, with "
+        "--no-background-emission, False (built on the caller's thread); default: the instrumentation's own",
     )
     parser.add_argument(
         "--sampler",

@@ -90,8 +90,8 @@ class InstrumentedSide:
             self.options["max_step_spans"] = config.max_step_spans
         if config.step_spans is not None:
             self.options["step_spans"] = config.step_spans
-        if config.background_emission:
-            self.options["background_emission"] = True
+        if config.background_emission is not None:
+            self.options["background_emission"] = config.background_emission
         #: what instrument() uses: the option, else its environment variable or default
         self.max_step_spans = (
             config.max_step_spans
@@ -113,7 +113,7 @@ class InstrumentedSide:
             )
             + (f", max_step_spans={config.max_step_spans}" if config.max_step_spans is not None else "")
             + (f", step_spans={config.step_spans!r}" if config.step_spans is not None else "")
-            + (", background_emission=True" if config.background_emission else "")
+            + (f", background_emission={config.background_emission}" if config.background_emission is not None else "")
             + ")"
             + (", sampler=ALWAYS_OFF: every request unsampled" if config.sampler == "always_off" else "")
             + (

@@ -54,7 +54,7 @@ class BenchConfig:
     exporter: str = "discard"  # --compare's span exporter, one of EXPORTERS
     max_step_spans: Optional[int] = None  # --compare: instrument(max_step_spans=N); None: the instrumentation's default
     step_spans: Optional[str] = None  # --compare: instrument(step_spans=...); None: the instrumentation's default
-    background_emission: bool = False  # --compare: instrument(background_emission=True)
+    background_emission: Optional[bool] = None  # --compare: instrument(background_emission=...); None: its default
     sampler: str = "always_on"  # --compare: the TracerProvider's sampler, one of SAMPLERS
     continuous_batching: bool = False  # the continuous-batching workload (otel_generate.bench.continuous)
     requests: Optional[int] = None  # --continuous-batching: requests per run (None: the default, 16)
@@ -127,9 +127,10 @@ class BenchConfig:
                 raise BenchUsageError("--max-step-spans applies to the instrumented runs of --compare; add --compare")
             if self.step_spans is not None:
                 raise BenchUsageError("--step-spans applies to the instrumented runs of --compare; add --compare")
-            if self.background_emission:
+            if self.background_emission is not None:
                 raise BenchUsageError(
-                    "--background-emission applies to the instrumented runs of --compare; add --compare"
+                    "--background-emission/--no-background-emission applies to the instrumented runs of --compare; "
+                    "add --compare"
                 )
             if self.sampler != "always_on":
                 raise BenchUsageError("--sampler applies to the instrumented runs of --compare; add --compare")

@@ -38,12 +38,19 @@ configuration (the difference method):
 
 which cancels everything a part pays once (the flush's fixed cost, the marker), as well as
 process start, imports and set-up, which are in other dumps. "Ir" is callgrind's count of
-executed instructions, summed over every thread (the span processor's and the background
-emitter's threads included: with ``--separate-threads=yes`` a dump would hold the calling
-thread's counts only, so threads are not separated). Per step is per call
-divided by the decode steps of a call (the new tokens of the longest row: greedy decoding adds
-one token per step). Added is instrumented minus plain, also as a share of plain. Each
-instrumented configuration's output sequences are compared with plain's (``outputs_identical``).
+executed instructions. Each configuration runs twice, in two processes:
+
+* **the caller's thread**: with ``--separate-threads=yes``, a dump at a marker holds the thread
+  that called it, the one that calls ``generate()``: what the application's thread pays
+  (``caller_*`` fields);
+* **all threads**: without it, a dump holds every thread's counts since the last one, the
+  background emitter's and the span processor's included (the flush at the end of each part
+  drains both): the whole work (the plain fields).
+
+Per step is per call divided by the decode steps of a call (the new tokens of the longest row:
+greedy decoding adds one token per step). Added is instrumented minus plain, also as a share of
+plain, for the caller's thread and for all threads. Each instrumented configuration's output
+sequences are compared with plain's (``outputs_identical``).
 
 BLAS and OpenMP are kept to one thread (``OPENBLAS_NUM_THREADS=1``, ``OMP_NUM_THREADS=1``,
 ``MKL_NUM_THREADS=1``, ``torch.set_num_threads(--threads)``), so that no idle thread spins, and
@@ -90,7 +97,12 @@ CONFIGURATIONS: Dict[str, Tuple[str, Optional[Dict[str, Any]], bool]] = {
         None,
         True,
     ),
-    "all-step-spans": ("instrumented, every step a span (the default options)", {}, True),
+    "all-step-spans": (
+        "instrumented with the default options: every step a span and the per-token histogram, built on the "
+        "background emitter",
+        {},
+        True,
+    ),
     "max-step-spans-0": (
         "instrumented, max_step_spans=0: the request span and metrics, no step span",
         {"max_step_spans": 0},
@@ -106,17 +118,20 @@ CONFIGURATIONS: Dict[str, Tuple[str, Optional[Dict[str, Any]], bool]] = {
         {"step_spans": STEP_SPANS_SLOW},
         True,
     ),
-    "background-emission": (
-        "instrumented, background_emission=True: spans built on a worker thread",
-        {"background_emission": True},
-        True,
-    ),
     "unsampled": (
-        "instrumented, sampler ParentBased(ALWAYS_OFF): the request is not sampled",
+        "instrumented, sampler ParentBased(ALWAYS_OFF): the request is not sampled (its metrics still are)",
         {},
         False,
     ),
+    "foreground": (
+        "instrumented, background_emission=False: every step a span and the per-token histogram, built on the "
+        "caller's thread before generate() returns",
+        {"background_emission": False},
+        True,
+    ),
 }
+#: The thread views each configuration is counted in: the caller's thread alone, and every thread.
+THREAD_VIEWS = ("caller", "all")
 #: Uninstrumented configurations that still set up the SDK providers (a ``TracerProvider`` with
 #: :func:`span_processor`, a ``MeterProvider``), so that their span processor's thread is alive: the
 #: baseline of what instrumenting ``generate()`` adds in a process that has OpenTelemetry set up.
@@ -197,7 +212,7 @@ def validate(config: BenchConfig) -> None:
     for option, value in (
         ("--max-step-spans", config.max_step_spans),
         ("--step-spans", config.step_spans),
-        ("--background-emission", config.background_emission or None),
+        ("--background-emission", config.background_emission),
         ("--sampler", None if getattr(config, "sampler", "always_on") == "always_on" else config.sampler),
     ):
         if value is not None:
@@ -240,15 +255,20 @@ def read_total(path: str) -> int:
 
 
 _DUMP = re.compile(r"\.(\d+)$")
+#: a dump of one thread (``--separate-threads=yes``): ``prefix.N-TT``; thread 01 is the main thread
+_THREAD_DUMP = re.compile(r"\.(\d+)-(\d+)$")
 
 
-def read_dumps(prefix: str) -> Dict[int, int]:
-    """``{dump number: Ir}`` of the numbered dumps ``prefix.N`` (all threads together)."""
+def read_dumps(prefix: str, caller_only: bool = False) -> Dict[int, int]:
+    """``{dump number: Ir}`` of the numbered dumps ``prefix.N`` (all threads together), or with
+    ``caller_only`` of ``prefix.N-01`` (the main thread, the one that calls ``generate()`` and
+    marks the parts: a dump at a marker holds only the thread that reached it)."""
     dumps: Dict[int, int] = {}
     for path in glob.glob(prefix + ".*"):
-        match = _DUMP.search(path)
-        if match is not None:
-            dumps[int(match.group(1))] = read_total(path)
+        match = (_THREAD_DUMP if caller_only else _DUMP).search(path)
+        if match is None or (caller_only and int(match.group(2)) != 1):
+            continue
+        dumps[int(match.group(1))] = read_total(path)
     return dumps
 
 
@@ -263,29 +283,41 @@ def run(config: BenchConfig) -> Dict[str, Any]:
     names = config.configurations.split(",")
     workdir = tempfile.mkdtemp(prefix="otel-generate-instructions-")
     try:
-        jobs = min(len(names), max(1, os.cpu_count() or 1), MAX_PROCESSES)
+        processes = len(names) * len(THREAD_VIEWS)
+        jobs = min(processes, max(1, os.cpu_count() or 1), MAX_PROCESSES)
         print(
-            f"otel-generate bench --instructions: {len(names)} configuration(s) under callgrind, one process each "
-            f"({jobs} at a time), {config.calls_low} and {config.calls_high} calls each; this takes minutes",
+            f"otel-generate bench --instructions: {len(names)} configuration(s) under callgrind, two processes each "
+            f"(the caller's thread, all threads; {jobs} at a time), {config.calls_low} and {config.calls_high} calls "
+            "each; this takes minutes",
             file=sys.stderr,
         )
         children = _Children()
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
         try:
-            # (folders named alike, c00, c01, ...: the paths a process is started with are the same
+            # (folders named alike, c00a, c00c, ...: the paths a process is started with are the same
             # length for every configuration, so they move no allocation of one against another)
-            futures = [
-                pool.submit(_run_configuration, config, name, os.path.join(workdir, f"c{index:02d}"), children)
+            futures = {
+                (name, view): pool.submit(
+                    _run_configuration,
+                    config,
+                    name,
+                    os.path.join(workdir, f"c{index:02d}{view[0]}"),
+                    children,
+                    view == "caller",
+                )
                 for index, name in enumerate(names)
-            ]
-            done = [future.result() for future in futures]
+                for view in THREAD_VIEWS
+            }
+            done = {key: future.result() for key, future in futures.items()}
         except BaseException:  # a configuration failed, or Ctrl-C: start no other, stop those running
             children.stop()
             pool.shutdown(wait=False, cancel_futures=True)
             raise
         finally:
             pool.shutdown(wait=True)
-        return result_document(config, *merge_processes(done))
+        every = merge_processes([done[(name, "all")] for name in names])
+        caller = merge_processes([done[(name, "caller")] for name in names])
+        return result_document(config, *every, caller_dumps=caller[1])
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -320,11 +352,12 @@ class _Children:
 
 
 def _run_configuration(
-    config: BenchConfig, name: str, folder: str, children: "_Children"
+    config: BenchConfig, name: str, folder: str, children: "_Children", caller_only: bool = False
 ) -> Tuple[Dict[str, Any], Dict[int, int]]:
     """One configuration in a process of its own under callgrind: ``(what the child wrote, its
-    dumps)``, in ``folder``. A fresh process keeps one configuration's heap out of the next one's
-    (the module docstring says what it does not remove).
+    dumps)``, in ``folder``; ``caller_only``: threads counted apart, the dumps of the main thread.
+    A fresh process keeps one configuration's heap out of the next one's (the module docstring says
+    what it does not remove).
 
     Raises:
         BenchUsageError: the process under valgrind failed, or its dumps do not match its markers.
@@ -344,6 +377,7 @@ def _run_configuration(
     command = [
         "valgrind",
         "--tool=callgrind",
+        *(["--separate-threads=yes"] if caller_only else []),
         f"--dump-before={MARKER}",
         f"--callgrind-out-file={prefix}",
         f"--log-file={log_path}",
@@ -368,7 +402,7 @@ def _run_configuration(
         )
     with open(child_path, encoding="utf-8") as handle:
         child = json.load(handle)
-    dumps = read_dumps(prefix)
+    dumps = read_dumps(prefix, caller_only)
     if sorted(dumps) != list(range(1, len(child["labels"]) + 1)):
         raise BenchUsageError(
             f"callgrind wrote dumps {sorted(dumps)} for {len(child['labels'])} markers of {name!r}: something "
@@ -406,11 +440,19 @@ def merge_processes(
 
 
 def result_document(
-    config: BenchConfig, child: Dict[str, Any], dumps: Dict[int, int], labels: Sequence[str]
+    config: BenchConfig,
+    child: Dict[str, Any],
+    dumps: Dict[int, int],
+    labels: Sequence[str],
+    caller_dumps: Optional[Dict[int, int]] = None,
 ) -> Dict[str, Any]:
-    """The JSON document: one entry per configuration, plain first, with the added share vs plain."""
+    """The JSON document: one entry per configuration, plain first, with the added share vs plain,
+    for all threads and (``caller_dumps``: the same parts counted on the caller's thread) for the
+    caller's thread."""
     part = {label: dumps[index + 1] for index, label in enumerate(labels)}
+    caller_part = {label: caller_dumps[index + 1] for index, label in enumerate(labels)} if caller_dumps else None
     span = config.calls_high - config.calls_low
+    caller_plain: Optional[float] = None
     rows: List[Dict[str, Any]] = []
     plain: Optional[Dict[str, Any]] = None
     baseline: Optional[Dict[str, Any]] = None  # plain-sdk's row, when it ran
@@ -438,6 +480,17 @@ def result_document(
             row["added_per_call"] = added
             row["added_percent"] = 100.0 * added / plain["instructions_per_call"]
             row["added_per_step"] = added / steps if steps else None
+        if caller_part is not None:
+            caller_low, caller_high = caller_part[f"{name} low"], caller_part[f"{name} high"]
+            caller_per_call = (caller_high - caller_low) / span
+            row["caller_ir_low"], row["caller_ir_high"] = caller_low, caller_high
+            row["caller_instructions_per_call"] = caller_per_call
+            if name == "plain":
+                caller_plain = caller_per_call
+            elif caller_plain is not None:
+                row["caller_added_per_call"] = caller_per_call - caller_plain
+                row["caller_added_percent"] = 100.0 * (caller_per_call - caller_plain) / caller_plain
+                row["caller_added_per_step"] = (caller_per_call - caller_plain) / steps if steps else None
         if name in PROVIDERS_ONLY:
             baseline = row
         elif baseline is not None and name != "plain":
@@ -456,7 +509,9 @@ def result_document(
             f"cores, at most {MAX_PROCESSES}); in each: set up once, "
             f"warmup, then {config.calls_low} calls + flush and {config.calls_high} calls + flush, each part in a "
             f"callgrind dump of its own (os.getloadavg() marks the borders, --dump-before={MARKER}); "
-            "instructions per call = (Ir(high) - Ir(low)) / (calls_high - calls_low), Ir summed over all threads; "
+            "instructions per call = (Ir(high) - Ir(low)) / (calls_high - calls_low); each configuration in two "
+            "processes: --separate-threads=yes, the main thread's dumps (caller_*: the thread that calls generate()), "
+            "and without it, Ir summed over all threads (the plain fields); "
             f"BatchSpanProcessor(schedule_delay_millis={EXPORT_DELAY_MILLIS}): spans exported when 512 are queued "
             "or at the flush, not on a timer"
         ),
@@ -483,12 +538,30 @@ def result_document(
 
 def summary_text(result: Dict[str, Any]) -> str:
     """The table printed on stderr."""
+    rows = result["configurations"]
     lines = [
         f"otel-generate bench --instructions: {result['model']}, {result['new_tokens_requested']} new tokens, "
         f"prompt {result['prompt_tokens']} x batch {result['batch_size']}, cpu, "
         f"{result['environment']['torch_threads']} torch thread(s)",
-        f"  callgrind, difference of {result['calls_high']} and {result['calls_low']} calls; Ir of all threads; "
-        f"exporter {result['exporter']}",
+        f"  callgrind, difference of {result['calls_high']} and {result['calls_low']} calls; exporter "
+        f"{result['exporter']}",
+    ]
+    if any(row.get("caller_instructions_per_call") is not None for row in rows):
+        lines.append("  the caller's thread (the thread that calls generate()):")
+        lines.append(f"  {'configuration':<22}{'per call':>14}{'added/call':>14}{'added':>9}{'added/step':>12}")
+        for row in rows:
+            added = row.get("caller_added_per_call")
+            lines.append(
+                f"  {row['configuration']:<22}{row['caller_instructions_per_call']:>14,.0f}"
+                + (
+                    f"{added:>+14,.0f}{row['caller_added_percent']:>+8.3f}%"
+                    f"{(row['caller_added_per_step'] or 0):>+12,.0f}"
+                    if added is not None
+                    else ""
+                )
+            )
+    lines += [
+        "  all threads (the caller's, the background emitter's, the span processor's):",
         f"  {'configuration':<22}{'per call':>14}{'per step':>12}{'added/call':>14}{'added':>9}{'added/step':>12}"
         # (the plain-sdk column only where that configuration ran)
         + (

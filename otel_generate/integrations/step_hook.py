@@ -33,7 +33,7 @@ import torch
 from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria, StoppingCriteriaList
 
 from otel_generate._faults import Fault
-from otel_generate._sdk_code import same_body
+from otel_generate._source import same_body
 
 #: Stopping criteria that end every row at the same step (the length budget, ``max_time``).
 _ALL_ROWS_AT_ONCE = (MaxLengthCriteria, MaxTimeCriteria)

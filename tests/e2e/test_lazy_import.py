@@ -153,6 +153,7 @@ provider.add_span_processor(SimpleSpanProcessor(exporter))
 GenerateInstrumentor().instrument(tracer_provider=provider)
 imported_early = "transformers" in sys.modules or "torch" in sys.modules
 new = generate_once()
+provider.force_flush()  # the spans are built on the background emitter
 spans = exporter.get_finished_spans()
 names = sorted(s.name for s in spans)
 from transformers.generation.utils import GenerationMixin
@@ -191,6 +192,7 @@ spans_uninstrumented = len(exporter.get_finished_spans())
 # a later instrument() works: transformers is imported now, so it patches at once
 instrumentor.instrument(tracer_provider=provider)
 second = generate_once()
+provider.force_flush()
 spans_instrumented = sorted(s.name for s in exporter.get_finished_spans())
 instrumentor.uninstrument()
 print(json.dumps([untouched, inner, subclass_hook, first, spans_uninstrumented, second, spans_instrumented,

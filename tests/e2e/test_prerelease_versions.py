@@ -108,6 +108,7 @@ instrumentor.instrument(tracer_provider=provider)
 ids = torch.randint(1, 126, (1, 4), generator=torch.Generator().manual_seed(0))
 output = build_model("gpt2", seed=0).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
                                               eos_token_id=None)
+provider.force_flush()  # the spans are built on the background emitter
 requests = [s for s in exporter.get_finished_spans() if s.name.startswith("text_completion ")]
 print("PROBE " + json.dumps({
     "packaging": packaging.__version__,

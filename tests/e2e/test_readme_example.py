@@ -56,7 +56,7 @@ def test_readme_minimal_sdk_example_prints_its_span_tree(tmp_path):
     assert [s["name"] for s in steps] == ["prefill"] + ["decode"] * (len(continuation) - 1)
     assert [s["attributes"][A.GENERATE_TOKEN_INDEX] for s in steps] == list(range(len(continuation)))
 
-    # the console exporter prints each span when it ends: children before their parent
+    # the console exporter prints each span when it ends: the steps before their request span (both built
+    # on the background emitter; the application's span, ended on its own thread, may come before or after)
     names = [s["name"] for s in spans]
     assert names.index(request["name"]) > max(i for i, n in enumerate(names) if n in ("prefill", "decode"))
-    assert names.index("handle_request") > names.index(request["name"])

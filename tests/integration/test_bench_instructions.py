@@ -12,7 +12,6 @@ import shutil
 
 import pytest
 
-from otel_generate.bench import instructions
 from tests.helpers.bench import run_cli
 
 
@@ -21,26 +20,33 @@ from tests.helpers.bench import run_cli
 def test_instructions_counts_what_the_instrumentation_adds(tmp_path, capsys):
     out = tmp_path / "instructions.json"
     # 8 calls apart: the counts' run-to-run spread (about 2 M instructions a part, from code that depends
-    # on measured times and garbage collection) divided by 8 stays well under what is added
+    # on measured times and garbage collection) divided by 8 stays well under what is added. The three
+    # configurations of the cost targets (each counted twice: the caller's thread, all threads)
+    configurations = ["all-step-spans", "step-spans-none", "unsampled"]
     argv = ["--instructions", "--new-tokens", "16", "--warmup", "1", "--calls-low", "1", "--calls-high", "9"]
+    argv += ["--configurations", ",".join(configurations)]
     assert run_cli(*argv, "--output", str(out)) == 0
     doc = json.loads(out.read_text())
     rows = {row["configuration"]: row for row in doc["configurations"]}
-    assert list(rows) == list(instructions.CONFIGURATIONS)
+    assert list(rows) == ["plain", *configurations]
     plain = rows["plain"]
     # a 16-token call of the tiny GPT-2 executes tens of millions of instructions
     assert plain["instructions_per_call"] > 1e7 and plain["steps_per_call"] == 16
+    # single-threaded plain: its caller's thread is all of it, to within the counts' spread
+    assert plain["caller_instructions_per_call"] == pytest.approx(plain["instructions_per_call"], rel=0.01)
     for name, row in rows.items():
         assert row["outputs_identical"] is True
         if row["spans_expected_per_call"] is not None:
             assert row["spans_per_call"] == row["spans_expected_per_call"], name
-        if name != "plain":
-            assert row["added_percent"] == pytest.approx(100 * row["added_per_call"] / plain["instructions_per_call"])
-        if name not in ("plain", "plain-sdk"):  # the instrumented ones: more than plain, and than plain with the SDK
-            assert row["added_per_call"] > 0, name
-            over_sdk = row["instructions_per_call"] - rows["plain-sdk"]["instructions_per_call"]
-            assert row["added_over_sdk_per_call"] == pytest.approx(over_sdk) and over_sdk > 0, name
-    assert rows["plain-sdk"]["spans_per_call"] == 0 and "added_over_sdk_per_call" not in rows["plain-sdk"]
+        if name == "plain":
+            continue
+        assert row["added_percent"] == pytest.approx(100 * row["added_per_call"] / plain["instructions_per_call"])
+        assert row["caller_added_percent"] == pytest.approx(
+            100 * row["caller_added_per_call"] / plain["caller_instructions_per_call"]
+        )
+        # the instrumented ones add work; on the caller's thread less than in all (the emitter's is elsewhere)
+        assert row["added_per_call"] > 0 and row["caller_added_per_call"] > 0, name
+        assert row["caller_added_per_call"] < row["added_per_call"], name
     assert rows["all-step-spans"]["spans_per_call"] == 17 and rows["unsampled"]["spans_per_call"] == 0
     err = capsys.readouterr().err
-    assert "instructions are not time" in err and "all-step-spans" in err
+    assert "instructions are not time" in err and "the caller's thread" in err and "all-step-spans" in err

@@ -874,22 +874,31 @@ def test_unknown_device_type_is_timed_unsynchronized(instrumented, span_exporter
 _ABSENT = object()
 
 
-def _table_targets():
+def _table_targets(providers=None):
     """``(owner, attribute) -> what owner.__dict__ holds now`` for every row of ``PATCHES`` whose module this
     transformers has (4.46 has no continuous batching or serve), subclasses included for ``Class+`` rows, plus
-    the ``__init_subclass__`` such a row adds to its class."""
+    the ``__init_subclass__`` such a row adds to its class; for the rows of the providers in use, the class of
+    each provider in ``providers`` (role -> provider) that defines the attribute."""
     import importlib
 
-    from otel_generate.instrumentor import MODULE_LEVEL, PATCHES, SUBCLASSES, _subclasses
+    from otel_generate.instrumentor import MODULE_LEVEL, PATCHES, PROVIDERS, SUBCLASSES, _subclasses
 
     modules = {}
     for row in PATCHES:
+        if row.module == PROVIDERS:
+            continue
         try:
             modules[row.module] = importlib.import_module(row.module)
         except ImportError:
             continue
     found = {}
     for row in PATCHES:
+        if row.module == PROVIDERS:
+            provider = (providers or {}).get(row.owner)
+            if provider is not None:
+                owner = next(k for k in type(provider).__mro__ if row.attribute in vars(k))
+                found[(owner, row.attribute)] = vars(owner)[row.attribute]
+            continue
         module = modules.get(row.module)
         if module is None:
             continue
@@ -929,9 +938,12 @@ def test_the_patch_table_names_the_loop_hooks_and_factories_that_exist():
 
 
 def test_uninstrument_restores_every_target_of_the_patch_table(tracer_provider, meter_provider):
+    from otel_generate.instrumentor import METER_PROVIDER, TRACER_PROVIDER
+
+    providers = {TRACER_PROVIDER: tracer_provider, METER_PROVIDER: meter_provider}
     instrumentor = GenerateInstrumentor()
     assert not instrumentor.is_instrumented_by_opentelemetry
-    before = _table_targets()
+    before = _table_targets(providers)
     # every row's condition on: content capture, step log-probabilities, the background emitter
     instrumentor.instrument(
         tracer_provider=tracer_provider,
@@ -941,11 +953,11 @@ def test_uninstrument_restores_every_target_of_the_patch_table(tracer_provider, 
         background_emission=True,
     )
     try:
-        during = _table_targets()
+        during = _table_targets(providers)
         installed = set(instrumentor._patches.installed())
     finally:
         instrumentor.uninstrument()
-    after = _table_targets()
+    after = _table_targets(providers)
     assert during.keys() == before.keys()
     changed = {key for key in before if during[key] is not before[key]}
     # every target this transformers defines was patched, and nothing outside the table

@@ -16,12 +16,12 @@ import torch
 import wrapt
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from otel_generate import attributes as A
 from otel_generate.bench.models import build_model
 from tests.helpers import only_request, request_spans, step_spans, tiny_models, uninstrumented_generate
+from tests.helpers.instrumenting import DrainingSpanExporter
 from tests.integration.test_semconv import histogram_points
 
 
@@ -117,7 +117,7 @@ def test_beams_of_tokens_equal_to_the_pad_id_are_output(instrument, meter_provid
     in the span when sampled and in the token-usage metric either way."""
     from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
 
-    exporter = InMemorySpanExporter()
+    exporter = DrainingSpanExporter()
     provider = TracerProvider(sampler=ParentBased(ALWAYS_ON if sampled else ALWAYS_OFF))
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     instrument(tracer_provider=provider, meter_provider=meter_provider)
@@ -207,7 +207,7 @@ class Tenant(SpanProcessor):
 
 
 def test_a_processor_added_after_instrument_sees_the_step_spans(instrument, gpt2):
-    exporter = InMemorySpanExporter()
+    exporter = DrainingSpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     instrument(tracer_provider=provider)
@@ -233,7 +233,7 @@ def test_a_processor_raising_for_step_spans_costs_neither_metrics_nor_other_span
     from otel_generate import _faults
 
     monkeypatch.setattr(_faults, "_logged_kinds", set())
-    exporter = InMemorySpanExporter()
+    exporter = DrainingSpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     provider.add_span_processor(RaisesOnDecode())

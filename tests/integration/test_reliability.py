@@ -48,7 +48,6 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
     SpanExportResult,
 )
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from transformers.generation.utils import GenerationMixin
@@ -69,7 +68,7 @@ from tests.helpers import (
     step_spans,
     uninstrumented_generate,
 )
-from tests.helpers.instrumenting import LOGGER, instrumentation, warnings_from_package
+from tests.helpers.instrumenting import LOGGER, DrainingSpanExporter, instrumentation, warnings_from_package
 
 #: The attributes every successful request span carries (greedy, one sequence per prompt).
 REQUEST_CONTRACT = {
@@ -122,7 +121,7 @@ def one_torch_thread():
 
 
 def provider_with(processor_factory=SimpleSpanProcessor, exporter=None, **provider_kwargs):
-    exporter = exporter if exporter is not None else InMemorySpanExporter()
+    exporter = exporter if exporter is not None else DrainingSpanExporter()
     provider = TracerProvider(**provider_kwargs)
     provider.add_span_processor(processor_factory(exporter))
     return provider, exporter

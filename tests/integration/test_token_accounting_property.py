@@ -16,13 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from otel_generate import GenerateInstrumentor
 from otel_generate import attributes as A
 from otel_generate.bench.models import EOS_TOKEN_ID, PAD_TOKEN_ID
 from tests.helpers import request_spans, step_spans, uninstrumented_generate
+from tests.helpers.instrumenting import DrainingSpanExporter
 
 NUM_BEAMS = 2
 
@@ -93,7 +93,7 @@ def reference(sequences, prompt_length, attention_mask):
 
 @pytest.fixture(scope="module")
 def exporter():
-    exporter = InMemorySpanExporter()
+    exporter = DrainingSpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     instrumentor = GenerateInstrumentor()

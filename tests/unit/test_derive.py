@@ -143,8 +143,7 @@ def test_outliers_match_the_definition_on_random_steps():
 def test_outliers_of_a_recording_request_are_the_nanosecond_scans_even_at_the_limit():
     """The common case (one token a step, back to back, only the first step a prefill) tells "no
     outlier" from the latencies in seconds, sorted once; a step at, just above or just below factor
-    times the median must still get what outliers() gives in nanoseconds. The sorted latencies
-    are handed on only when they are the inter-token latencies."""
+    times the median must still get what outliers() gives in nanoseconds."""
     rng = random.Random(18)
     for _ in range(3000):
         count = rng.randint(1, 12)
@@ -160,10 +159,6 @@ def test_outliers_of_a_recording_request_are_the_nanosecond_scans_even_at_the_li
         request = make(ends, [1] * count, start=start, prefill_steps=1)
         s = derive(request, StepSpanPolicy(STEP_SPANS_ALL, outlier_factor=factor), spans=True, inter_token=True)
         assert s.outliers == outliers(latencies, {0}, factor), (latencies, factor)
-        if count > 3:
-            assert s.inter_token_sorted_s == sorted(s.inter_token_latencies_s) == sorted(s.step_latencies_s[1:])
-        else:
-            assert s.inter_token_sorted_s is None
     # beyond 2**53 ns a step 2 ns above the limit reads at or below it in seconds: the margin sends it
     # to the nanosecond scan
     median, above = 13_298_756_866_041_503, 39_896_270_598_124_513
@@ -196,17 +191,6 @@ def test_a_factor_that_is_not_a_float_gets_the_nanosecond_scan(factor):
     request = make([10, 13, 16, 25, 29], [1] * 5, prefill_steps=1)
     expected = outliers([10, 3, 3, 9, 4], {0}, factor)
     assert derive(request, StepSpanPolicy(STEP_SPANS_ALL, outlier_factor=factor), spans=True).outliers == expected
-
-
-def test_sorted_inter_token_latencies_only_where_they_are_the_decode_steps():
-    two_tokens = make([10, 25, 43, 60, 80], [1, 2, 1, 1, 1])  # a step of two tokens: its latency halved
-    s = derive(two_tokens, spans=True, inter_token=True)
-    assert s.inter_token_latencies_s[0] == (15 / 2) / NS and s.inter_token_sorted_s is None
-    failed = make([10, 25, 43, 60, 80], [1] * 5, error=ValueError("x"))  # no inter-token latencies
-    assert derive(failed, spans=True, inter_token=True).inter_token_sorted_s is None
-    plain = make([10, 25, 43, 60, 80], [1] * 5)
-    assert derive(plain, spans=True).inter_token_sorted_s is None  # not asked for
-    assert derive(plain, spans=True, inter_token=True).inter_token_sorted_s == [15 / NS, 17 / NS, 18 / NS, 20 / NS]
 
 
 def test_step_spans_decision_under_each_policy():

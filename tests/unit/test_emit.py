@@ -29,7 +29,7 @@ START = 5_000  # the monotonic clock at the request's start
 class SDK:
     """An in-memory tracer and meter provider, and a Telemetry on them."""
 
-    def __init__(self, sampler=None, fast=True, **options):
+    def __init__(self, sampler=None, **options):
         self.spans = InMemorySpanExporter()
         self.tracer_provider = TracerProvider(sampler=sampler) if sampler is not None else TracerProvider()
         self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.spans))
@@ -38,8 +38,6 @@ class SDK:
         self.telemetry = telemetry.Telemetry.from_options(
             Options(tracer_provider=self.tracer_provider, meter_provider=self.meter_provider, **options)
         )
-        if not fast:
-            self.telemetry.fast = None  # the public API only
 
     def run(self, request, **kwargs):
         span = emit.start_request_span(self.telemetry, request.model, start_time=request.start_wall_ns)
@@ -88,10 +86,8 @@ BASE = {
 }
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "public-api"])
-def test_a_sampled_request_gives_its_span_step_spans_and_metrics(fast):
-    sdk = SDK(fast=fast)
-    assert (sdk.telemetry.fast is not None) is fast
+def test_a_sampled_request_gives_its_span_step_spans_and_metrics():
+    sdk = SDK()
     ends = [100, 130, 170, 200, 260]
     request = make(ends, [1] * 5)
     record = sdk.run(request, need_record=True)
@@ -155,22 +151,19 @@ def test_an_unsampled_request_records_only_its_metrics():
     assert count == 2 and total == pytest.approx(70 / NS, rel=1e-12)
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "public-api"])
 @pytest.mark.parametrize("current", ["none", "sampled-span"])
-def test_an_unsampled_requests_metrics_carry_no_exemplar_whatever_span_is_current(fast, current):
-    # nothing is attached when the current span is already the one exemplars may point at (none);
-    # a sampled span that is current is set aside for the request's measurements
+def test_an_unsampled_requests_metrics_carry_no_exemplar_whatever_span_is_current(current):
+    # the measurements are recorded with context= (no span, or the request's): a sampled span that is
+    # current is not what exemplars point at, and the thread's context is left as it was
     from opentelemetry import context as otel_context
     from opentelemetry import trace
 
     sdk = SDK(sampler=ALWAYS_OFF)
-    if not fast:
-        sdk.telemetry.fast_histograms = {name: None for name in sdk.telemetry.fast_histograms}
     outer = TracerProvider().get_tracer("t").start_span("outer") if current == "sampled-span" else None
     before = otel_context.get_current()
     token = otel_context.attach(trace.set_span_in_context(outer)) if outer is not None else None
     try:
-        for _ in range(2):  # the second request's histograms exist: the fast path is taken
+        for _ in range(2):
             sdk.run(make([100, 130, 170], [1, 1, 1]))
         assert trace.get_current_span() is (outer if outer is not None else trace.INVALID_SPAN)
     finally:
@@ -193,7 +186,7 @@ def test_a_sampled_requests_metrics_point_their_exemplars_at_its_span():
     points = [p for r in data.resource_metrics for s in r.scope_metrics for m in s.metrics for p in m.data.data_points]
     exemplars = [e for p in points for e in p.exemplars]
     assert len(points) == 7 and exemplars and {e.span_id for e in exemplars} <= set(spans)
-    assert spans[1] in {e.span_id for e in exemplars}  # the second request's (fast path) too
+    assert spans[1] in {e.span_id for e in exemplars}  # the second request's too
 
 
 def test_a_failed_request_has_its_error_on_the_span_and_the_metrics():

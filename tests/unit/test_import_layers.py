@@ -37,7 +37,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
             "figures",
             "tokens",
             "_lifecycle",
-            "_sdk_code",
+            "_source",
         ),
     ),
     (
@@ -48,9 +48,6 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
             "cancellation",
             "ranks",
             "_patch",
-            "fast_metrics",
-            "fast_spans",
-            "fast_request_span",
             "background",
         ),
     ),

@@ -1,8 +1,8 @@
-"""otel_generate._sdk_code: a function's code compared without its docstring, comments and layout."""
+"""otel_generate._source: a function's code compared without its docstring, comments and layout."""
 
 from __future__ import annotations
 
-from otel_generate._sdk_code import code_digest, code_of, same_code
+from otel_generate._source import code_of, same_code
 
 
 def reference(self, value):
@@ -22,16 +22,8 @@ def test_docstring_comments_and_layout_do_not_count_a_statement_does():
     assert code_of("    def f():\n        'doc'\n        return 1\n") == code_of("def f():\n    return 1")
 
 
-def test_the_digest_follows_the_code_and_the_order():
-    def other(self):
-        return 2
-
-    assert code_digest([reference, other]) == code_digest([reference, other])
-    assert code_digest([reference, other]) != code_digest([other, reference])
-
-
 def test_a_body_is_compared_without_decorators_and_annotations_a_parameter_still_counts():
-    from otel_generate._sdk_code import body_of, same_body
+    from otel_generate._source import body_of, same_body
 
     annotated = "@wraps(x)\ndef f(self, a: int, *rest: str, b: 'T' = 1, **more: float) -> bool:\n    return a\n"
     assert body_of(annotated) == body_of("def f(self, a, *rest, b=1, **more):\n    'doc'\n    return a\n")
