@@ -224,20 +224,23 @@ def wait_for(receiver, predicate, timeout_s=30.0):
 
 
 def trace_of(spans, answered, client_span_name):
-    """The spans of the request the client got ``answered`` for: its client span, POST, request span, steps."""
-    (request,) = [
+    """The spans of the request the client got ``answered`` for: its client span (the OpenAI instrumentation
+    records the response's id on it), its POST span, its request span and the request span's steps."""
+    (client,) = [
         s
         for s in spans
-        if s["name"].startswith(REQUEST_PREFIX) and s["attributes"].get(A.GEN_AI_RESPONSE_ID) == answered["id"]
+        if s["service"] == "openai-client"
+        and s["name"] == client_span_name
+        and s["attributes"].get("gen_ai.response.id") == answered["id"]
     ]
-    mine = [s for s in spans if s["trace_id"] == request["trace_id"]]
+    mine = [s for s in spans if s["trace_id"] == client["trace_id"]]
     (post,) = [s for s in mine if s["name"] == CHAT]
-    (client,) = [s for s in mine if s["service"] == "openai-client" and s["name"] == client_span_name]
+    (request,) = [s for s in mine if s["name"].startswith(REQUEST_PREFIX)]
     steps = [s for s in mine if s["parent_id"] == request["span_id"]]
     return client, post, request, steps
 
 
-def check_one_trace(spans, answered, model, server_pid):
+def check_one_trace(spans, answered, model, server_pid, mode):
     """Client span -> POST -> request span (in the model's process) -> steps; counts as the client got them."""
     from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
@@ -257,6 +260,8 @@ def check_one_trace(spans, answered, model, server_pid):
     assert prefills >= 1 and names == [A.STEP_SPAN_PREFILL] * prefills + [A.STEP_SPAN_DECODE] * (answered["usage"] - 1)
     assert attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] == [answered["finish_reason"]]
     assert request["status"] == Status.STATUS_CODE_UNSET
+    if MODEL_PROCESS or mode == "continuous_batching":  # the thread-based serve of 5.24 names only CB requests
+        assert attrs[A.GEN_AI_RESPONSE_ID] == answered["id"]
     if MODEL_PROCESS:  # the model's own process: a child of the API server (or of the supervisor of several)
         assert request["pid"] != post["pid"] and request["pid"] == steps[0]["pid"]
         assert request["parent_pid"] == (post["pid"] if server_pid == post["pid"] else server_pid)
@@ -290,16 +295,18 @@ def test_the_openai_clients_trace_crosses_into_the_model_process_and_sigterm_los
     assert len(requests) == 3, (log.read_text()[-3000:], sorted(s["name"] for s in spans))
 
     for result in (streamed, answered):
-        request = check_one_trace(spans, result, model_dir, process.pid)
+        request = check_one_trace(spans, result, model_dir, process.pid, mode)
         if mode == "continuous_batching":
             assert request["attributes"][A.GENERATE_TIME_IN_QUEUE] >= 0
-    streamed_attrs = check_one_trace(spans, streamed, model_dir, process.pid)["attributes"]
+    streamed_attrs = check_one_trace(spans, streamed, model_dir, process.pid, mode)["attributes"]
     assert streamed_attrs[A.GEN_AI_REQUEST_STREAM] is True
     first_chunk = streamed_attrs[A.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK]
     assert 0 < first_chunk < elapsed
 
     # the client that closed its stream after 3 chunks (the first carries the role only): cancelled, not an error
-    (request,) = [s for s in requests if s["attributes"].get(A.GEN_AI_RESPONSE_ID) == cancelled["id"]]
+    (request,) = [s for s in requests if A.FINISH_REASON_CANCELLED in s["attributes"][A.GEN_AI_RESPONSE_FINISH_REASONS]]
+    if MODEL_PROCESS or mode == "continuous_batching":
+        assert request["attributes"][A.GEN_AI_RESPONSE_ID] == cancelled["id"]
     attrs = request["attributes"]
     assert attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] == [A.FINISH_REASON_CANCELLED]
     assert request["status"] == Status.STATUS_CODE_UNSET and A.ERROR_TYPE not in attrs
@@ -353,7 +360,7 @@ def test_two_api_servers_and_four_concurrent_clients_each_request_in_its_own_tra
     assert len(requests) == len(prompts), (log.read_text()[-3000:], sorted(s["name"] for s in spans))
     traces = set()
     for prompt in prompts:
-        request = check_one_trace(spans, answers[prompt], model_dir, process.pid)
+        request = check_one_trace(spans, answers[prompt], model_dir, process.pid, mode)
         traces.add(request["trace_id"])
     # none crossed: four traces, one request span in each, all from the one model's process
     assert len(traces) == len(prompts)
