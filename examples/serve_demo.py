@@ -12,13 +12,19 @@ serve`` loads like any checkpoint. Then, in one shell::
 
 (drop the three ``--c...`` options to serve without continuous batching), and in another::
 
-    python examples/serve_demo.py client http://127.0.0.1:8000 --requests 2
+    OTEL_SERVICE_NAME=tiny-client opentelemetry-instrument \\
+        --traces_exporter console --metrics_exporter none --logs_exporter none \\
+        python examples/serve_demo.py client http://127.0.0.1:8000 --requests 2
 
-The client sends the ``/v1/completions`` requests at the same time, each with a W3C
-``traceparent`` header of its own trace (as a traced client would), and prints each trace id with
-the response's token usage. The server prints, per request, its HTTP server span (``POST
-/v1/completions``, a child of the client's span), and under it the ``text_completion`` request
-span and its ``prefill``/``decode`` step spans: each request in its own trace.
+The client sends the ``/v1/completions`` requests at the same time, each inside a CLIENT span of its
+own (``POST /v1/completions``, a trace of its own) whose W3C ``traceparent`` it sends, as an
+instrumented HTTP client does, and prints each trace id with the response's token usage. The server
+prints, per request, its HTTP server span (``POST /v1/completions``, a child of the client's span),
+and under it the ``text_completion`` request span and its ``prefill``/``decode`` step spans: each
+request in the trace its client started. (Without an OpenTelemetry SDK, as plain ``python``, the
+client's spans are not recorded and no ``traceparent`` is sent: each request starts its own trace at
+the server.) The ``openai`` client, with OpenTelemetry's OpenAI instrumentation, is shown in
+docs/serving.md.
 
 (Under ``opentelemetry-instrument`` the server needs ``opentelemetry-instrumentation-fastapi``
 for the ``POST`` spans; ``pip install -e ".[test]"`` has it.)
@@ -28,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import string
 import sys
 import threading
@@ -88,11 +93,6 @@ def build_model_dir(path: str, seed: int = 0) -> str:
     return path
 
 
-def traceparent(trace_id: int, span_id: int) -> str:
-    """A W3C ``traceparent`` header value (version 00, sampled)."""
-    return f"00-{trace_id:032x}-{span_id:016x}-01"
-
-
 def complete(
     base_url: str, prompt: str, max_tokens: int, headers: Optional[Dict[str, str]] = None, timeout_s: float = 120.0
 ) -> Dict[str, Any]:
@@ -125,25 +125,35 @@ def wait_for_server(base_url: str, timeout_s: float = 120.0) -> None:
             time.sleep(0.5)
 
 
-def send_concurrent(
-    base_url: str, prompts: Sequence[str], max_tokens: int, rng: Optional[random.Random] = None
-) -> List[Dict[str, Any]]:
-    """Send one completion request per prompt, all at once, each in a trace of its own.
+def send_concurrent(base_url: str, prompts: Sequence[str], max_tokens: int, tracer: Any = None) -> List[Dict[str, Any]]:
+    """Send one completion request per prompt, all at once, each inside a CLIENT span of its own trace.
 
-    Returns, in prompt order, ``{"prompt", "trace_id", "parent_span_id"`` (hex, the ``traceparent``
-    sent) ``, "response"}``. Raises the first request's error, if any.
+    Each request's ``POST /v1/completions`` CLIENT span is started with ``tracer`` (default: the
+    OpenTelemetry API's global one, which records nothing until an SDK is configured, e.g. by
+    ``opentelemetry-instrument``) and its context is sent as W3C ``traceparent``/``tracestate``
+    headers (the global propagator's, W3C Trace Context by default).
+
+    Returns, in prompt order, ``{"prompt", "trace_id", "parent_span_id"`` (hex: the client span's
+    trace and span ids, zeros when not recorded) ``, "response"}``. Raises the first request's error, if any.
     """
-    rng = rng or random.Random()
-    results: List[Dict[str, Any]] = [
-        {"prompt": prompt, "trace_id": rng.getrandbits(128), "parent_span_id": rng.getrandbits(64) or 1}
-        for prompt in prompts
-    ]
+    from opentelemetry import propagate, trace
+
+    tracer = tracer or trace.get_tracer("serve_demo")
+    results: List[Dict[str, Any]] = [{"prompt": prompt} for prompt in prompts]
     errors: List[BaseException] = []
 
     def one(result: Dict[str, Any]) -> None:
         try:
-            header = traceparent(result["trace_id"], result["parent_span_id"])
-            result["response"] = complete(base_url, result["prompt"], max_tokens, {"traceparent": header})
+            with tracer.start_as_current_span(
+                "POST /v1/completions",
+                kind=trace.SpanKind.CLIENT,
+                attributes={"http.request.method": "POST", "url.full": f"{base_url}/v1/completions"},
+            ) as span:
+                headers: Dict[str, str] = {}
+                propagate.inject(headers)  # the client span's context, as an instrumented HTTP client sends it
+                context = span.get_span_context()
+                result["trace_id"], result["parent_span_id"] = f"{context.trace_id:032x}", f"{context.span_id:016x}"
+                result["response"] = complete(base_url, result["prompt"], max_tokens, headers)
         except BaseException as exc:  # reported by the caller
             errors.append(exc)
 
@@ -154,9 +164,6 @@ def send_concurrent(
         thread.join()
     if errors:
         raise errors[0]
-    for result in results:
-        result["trace_id"] = f"{result['trace_id']:032x}"
-        result["parent_span_id"] = f"{result['parent_span_id']:016x}"
     return results
 
 

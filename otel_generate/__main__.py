@@ -1,7 +1,7 @@
-"""``python -m otel_generate bench ...``: the same as the ``otel-generate`` console script."""
+"""``python -m otel_generate bench ...`` / ``doctor``: the same as the ``otel-generate`` console script."""
 
 import sys
 
-from otel_generate.bench.cli import main
+from otel_generate.cli import main
 
 sys.exit(main())

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextvars
 import importlib
+import inspect
 import logging
 import sys
 import threading
-from typing import Any, Collection, NamedTuple, Optional, Tuple
+import weakref
+from typing import Any, Collection, Dict, List, NamedTuple, Optional, Tuple
 
 from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
@@ -40,6 +42,7 @@ WHISPER = "transformers.models.whisper.generation_whisper"
 CONTINUOUS = "transformers.generation.continuous_batching.continuous_api"
 SERVE = "transformers.cli.serving.utils"
 SERVER = "transformers.cli.serving.server"
+ENGINE = "transformers.cli.serving.model_manager"
 PIPELINES = "transformers.pipelines.base"
 #: ``module`` of the rows that wrap the ``force_flush``/``shutdown`` of the tracer and meter providers
 #: in use (those given to ``instrument()``, else the global ones): nothing is imported or named; the
@@ -84,6 +87,10 @@ PATCHES: Tuple[Patch, ...] = (
     Patch("always",   CONTINUOUS,  "OutputRouter",              "deliver_batch",                 "continuous_batching.make_deliver_batch",          True),
     Patch("always",   SERVE,       "InferenceThread",           "submit",                        "serve.make_submit",                               False),
     Patch("always",   SERVE,       "InferenceThread",           "async_submit",                  "serve.make_submit",                               False),
+    Patch("always",   SERVE,       "RequestIdMiddleware",       "__call__",                      "serve.make_request_id_middleware",                False),
+    Patch("always",   SERVE,       "GenerateRunner",            "__init__",                      "serve.make_runner_init",                          False),
+    Patch("always",   ENGINE,      "EngineClient",              "_send_request",                 "serve.make_send_request",                         False),
+    Patch("always",   ENGINE,      "EngineClient",              "run_engine",                    "serve.make_run_engine",                           False),
     Patch("always",   SERVER,      MODULE_LEVEL,                "build_server",                  "serve.make_build_server",                         False),
     Patch("content",  PIPELINES,   "Pipeline",                  "forward",                       "pipelines.make_forward",                          False),
     Patch("emitter",  PROVIDERS,   TRACER_PROVIDER,             "force_flush",                   "background.make_draining",                        False),
@@ -97,7 +104,63 @@ PATCHES: Tuple[Patch, ...] = (
 #: (``get_candidates``, ``update_candidate_strategy``, instance attributes that die with it).
 PER_CALL = ("figures.count_candidates",)
 
+
+# --- what each feature needs: the self-check -----------------------------------------------------
+
+
+class Feature(NamedTuple):
+    name: str  # as `otel-generate doctor` lists it
+    lost: str  # what a WARNING says is lost when the feature cannot be traced
+    anchor: str  # the module whose first import checks the feature (it imports every module its points are in)
+    variants: Tuple[Tuple[str, ...], ...]  # alternatives, newest release first: each the points it needs, all found
+    details: Tuple[str, ...] = ()  # points that add details: missing, nothing is said; incompatible, a WARNING
+
+
+# fmt: off
+#: ``transformers serve``: the model's process and its API servers (transformers 5.25 and newer); the inference thread (up to 5.24).
+_SERVE_PROCESS = ("EngineClient._send_request", "EngineClient.run_engine", "GenerateRunner.__init__", "RequestIdMiddleware.__call__", "build_server")
+_SERVE_THREAD = ("InferenceThread.submit", "InferenceThread.async_submit", "build_server")
+_GENERATE = ("GenerationMixin.generate", "GenerationMixin._prepare_generated_length", "GenerationMixin._get_stopping_criteria")
+_GENERATE_DETAILS = ("GenerationMixin._prepare_cache_for_generation", "GenerationMixin.load_custom_generate", "GenerationMixin._get_logits_processor")
+_CONTINUOUS = ("ContinuousBatchingManager.add_request", "ContinuousBatchingManager.cancel_request", "ContinuousBatchingManager._generation_loop_body", "OutputRouter.deliver", "OutputRouter.deliver_batch")
+
+#: Every feature, with the points of :data:`PATCHES` it needs (``"Owner.attribute"``). A feature is traced
+#: when every point of one of its variants is found with the signature its hook reads (:data:`READS`).
+FEATURES: Tuple[Feature, ...] = (
+    #       name                   what a WARNING says is lost                                   anchor      variants                                                                          details
+    Feature("generate",            "`generate()` steps will not be timed",                       GENERATION, (_GENERATE,),                                                                     _GENERATE_DETAILS),
+    Feature("streaming",           "streamed `generate()` calls will not be traced",             GENERATION, (("GenerationMixin.generate",),)),
+    Feature("assisted decoding",   "assisted decoding's candidates will not be counted",         GENERATION, (("GenerationMixin._get_candidate_generator",),)),
+    Feature("continuous batching", "continuous batching requests will not be traced",            CONTINUOUS, (_CONTINUOUS,)),
+    Feature("transformers serve",  "`transformers serve` requests will not be traced",           SERVER,     (_SERVE_PROCESS, _SERVE_THREAD)),
+    Feature("Whisper",             "Whisper's windows and fallbacks will not be traced",         WHISPER,    (("WhisperGenerationMixin.generate_with_fallback", "WhisperGenerationMixin._need_fallback"),)),
+    Feature("pipelines",           "pipelines' prompt and completion text will not be captured", PIPELINES,  (("Pipeline.forward",),)),
+)
+
+#: The parameters each hook reads of its original's arguments (by name or position), by point.
+READS: Dict[str, Tuple[str, ...]] = {
+    "GenerationMixin._prepare_generated_length":         ("generation_config", "model_input_name", "input_ids_length", "inputs_tensor"),
+    "GenerationMixin._get_stopping_criteria":            ("generation_config",),
+    "GenerationMixin._prepare_cache_for_generation":     ("model_kwargs",),
+    "GenerationMixin._get_logits_processor":             ("generation_config",),
+    "WhisperGenerationMixin.generate_with_fallback":     ("seek", "batch_idx_map", "temperatures"),
+    "WhisperGenerationMixin._need_fallback":             ("index",),
+    "ContinuousBatchingManager.add_request":             ("input_ids", "max_new_tokens", "streaming", "eos_token_id"),
+    "ContinuousBatchingManager.cancel_request":          ("request_id",),
+    "ContinuousBatchingManager._generation_loop_body":   ("batch_processor", "bootstrapping"),
+    "OutputRouter.deliver":                              ("output",),
+    "OutputRouter.deliver_batch":                        ("outputs",),
+    "InferenceThread.submit":                            ("fn",),
+    "InferenceThread.async_submit":                      ("fn",),
+    "RequestIdMiddleware.__call__":                      ("scope",),
+    "EngineClient._send_request":                        ("args",),
+    "EngineClient.run_engine":                           ("requests",),
+}
+# fmt: on
+
 _EMITTER_LOCK = threading.Lock()
+#: Per set of patches (one ``instrument()``): the points a WARNING already named.
+_WARNED: "weakref.WeakKeyDictionary[Patches, set]" = weakref.WeakKeyDictionary()
 
 
 #: Factory modules outside ``otel_generate.integrations``.
@@ -156,27 +219,25 @@ def _wanted(row: Patch, telemetry: Telemetry) -> bool:
 
 
 def _install_module(patches: Patches, telemetry: Telemetry, name: str, rows: Tuple[Patch, ...], module: Any) -> None:
-    """The post-import hook of ``name``: install ``rows`` (one module's rows of :data:`PATCHES`)."""
+    """The post-import hook of ``name``: install ``rows`` (one module's rows of :data:`PATCHES`) that
+    the module has with the signature their hooks read, then check the features anchored there."""
     if not telemetry.active:
         return
+    incompatible = {row for row in rows if point_problem(row, module) not in (None, NOT_FOUND)}
     missing = missing_hooks(module, rows)
+    # one WARNING per point a feature anchored here lacks, before anything of it is installed
+    warn_features(name, modules={name: module}, warned=_WARNED.setdefault(patches, set()))
     if name == GENERATION:  # without the required hooks: request spans, no step spans
-        if missing:
-            _LOG.warning(
-                "otel_generate: this transformers has no %s; request spans only, no step spans", ", ".join(missing)
-            )
         from otel_generate.integrations._routing import assisted_calls_criteria_on_candidates
 
         telemetry.skip_candidate_calls = assisted_calls_criteria_on_candidates(module.GenerationMixin)
     elif name == CONTINUOUS:  # every hook point or none
-        if missing:
-            _LOG.info(
-                "otel_generate: this transformers' continuous batching has no %s; its requests are not traced",
-                ", ".join(missing),
-            )
+        if missing or incompatible:
             return
         start_emitter(patches, telemetry)  # the scheduler thread never builds a span itself
     for row in rows:
+        if row in incompatible:
+            continue
         if row.owner == MODULE_LEVEL:
             if callable(getattr(module, row.attribute, None)):
                 patches.replace(module, row.attribute, _factory(row.factory), telemetry)
@@ -189,6 +250,127 @@ def _install_module(patches: Patches, telemetry: Telemetry, name: str, rows: Tup
         elif callable(vars(owner).get(row.attribute)):
             argument = telemetry.emitter if row.when == "emitter" else telemetry
             patches.replace(owner, row.attribute, _factory(row.factory), argument)
+
+
+#: :func:`point_problem`'s answer for a point the module does not have.
+NOT_FOUND = "not found"
+
+
+def point_of(row: Patch) -> str:
+    """``"Owner.attribute"`` (``"function"`` for a module-level row), as :data:`FEATURES` names points."""
+    return row.attribute if row.owner == MODULE_LEVEL else f"{row.owner.rstrip(SUBCLASSES)}.{row.attribute}"
+
+
+def row_of(point: str) -> Patch:
+    """The first row of :data:`PATCHES` of ``point``."""
+    return next(row for row in PATCHES if point_of(row) == point)
+
+
+def point_problem(row: Patch, module: Any = None) -> Optional[str]:
+    """``None`` when ``module`` (default: the row's module, if imported) has the row's attribute with
+    every parameter its hook reads (:data:`READS`); else :data:`NOT_FOUND` or what is wrong with it."""
+    if module is None:
+        module = sys.modules.get(row.module)
+        if module is None:
+            return NOT_FOUND
+    if row.owner == MODULE_LEVEL:
+        value = getattr(module, row.attribute, None)
+    else:
+        owner = getattr(module, row.owner.rstrip(SUBCLASSES), None)
+        value = vars(owner).get(row.attribute) if isinstance(owner, type) else None
+    if value is None or not callable(value):
+        return NOT_FOUND
+    needed = READS.get(point_of(row), ())
+    if not needed:
+        return None
+    function = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return "has a signature that cannot be read"
+    absent = [name for name in needed if name not in parameters]
+    if absent:
+        return "has no parameter " + ", ".join(f"`{name}`" for name in absent)
+    return None
+
+
+def feature_problems(feature: Feature, wanted: Any = None, modules: Optional[Dict[str, Any]] = None) -> Dict[str, str]:
+    """``{}`` when ``feature`` can be traced with the modules imported now; else ``{point: problem}``
+    for the variant that is closest: the newest one any of whose own points is found (a point every
+    variant shares says nothing about which release this is), else the newest. ``wanted(row)``:
+    whether a row is asked for by the options (default: every row); the others are not needed.
+    ``modules``: module objects to check instead of the imported ones, by name."""
+    modules = modules or {}
+    shared = set.intersection(*(set(variant) for variant in feature.variants))
+    candidates = []
+    for variant in feature.variants:
+        problems: Dict[str, str] = {}
+        found_own = False
+        for point in variant:
+            row = row_of(point)
+            if wanted is not None and not wanted(row):
+                continue
+            problem = point_problem(row, modules.get(row.module))
+            if problem is None:
+                found_own = found_own or point not in shared
+            else:
+                problems[point] = problem
+        if not problems:
+            return {}
+        candidates.append((found_own, problems))
+    return next((problems for found_own, problems in candidates if found_own), candidates[0][1])
+
+
+def detail_problems(feature: Feature, modules: Optional[Dict[str, Any]] = None) -> Dict[str, str]:
+    """The detail points of ``feature`` found with a signature their hooks cannot read."""
+    modules = modules or {}
+    found = {point: point_problem(row_of(point), modules.get(row_of(point).module)) for point in feature.details}
+    return {point: problem for point, problem in found.items() if problem not in (None, NOT_FOUND)}
+
+
+def transformers_version() -> str:
+    """The installed transformers' version, as its package says it."""
+    module = sys.modules.get("transformers")
+    version = getattr(module, "__version__", None)
+    if not isinstance(version, str):
+        try:
+            from importlib.metadata import version as distribution_version
+
+            version = distribution_version("transformers")
+        except Exception:
+            version = "(version unknown)"
+    return version
+
+
+def warn_features(
+    anchor: str, wanted: Any = None, modules: Optional[Dict[str, Any]] = None, warned: Optional[set] = None
+) -> List[str]:
+    """Check the features anchored at module ``anchor``: one WARNING per point they cannot do
+    without, naming the transformers version, the point, what is wrong and the features lost, never
+    a traceback. ``warned``: the points already named (updated), so that each is named once per
+    ``instrument()``. Returns the messages logged now."""
+    warned = set() if warned is None else warned
+    lost: Dict[str, List[str]] = {}
+    problems: Dict[str, str] = {}
+    for feature in FEATURES:
+        if feature.anchor != anchor:
+            continue
+        found = dict(feature_problems(feature, wanted, modules))
+        found.update(detail_problems(feature, modules))
+        for point, problem in found.items():
+            problems[point] = problem
+            lost.setdefault(point, []).append(feature.lost)
+    messages = []
+    for point, features in lost.items():
+        if point in warned:
+            continue
+        warned.add(point)
+        message = (
+            f"otel_generate: transformers {transformers_version()}: {'; '.join(features)}: `{point}` {problems[point]}"
+        )
+        _LOG.warning("%s", message)
+        messages.append(message)
+    return messages
 
 
 def missing_hooks(module: Any, rows: Optional[Tuple[Patch, ...]] = None) -> list:
@@ -289,6 +471,17 @@ class GenerateInstrumentor(BaseInstrumentor):
 
     _telemetry: Optional[Telemetry] = None
     _patches: Optional[Patches] = None
+    _given: Optional[dict] = None
+
+    @property
+    def patches(self) -> Optional[Patches]:
+        """The patches the instrumentation in place installed, else ``None``."""
+        return self._patches
+
+    @property
+    def given_options(self) -> dict:
+        """The keywords the instrumentation in place was turned on with (``{}`` when off)."""
+        return dict(self._given or {})
 
     @property
     def telemetry(self) -> Optional[Telemetry]:
@@ -323,7 +516,7 @@ class GenerateInstrumentor(BaseInstrumentor):
         install(patches, telemetry)
         if options.background_emission:
             start_emitter(patches, telemetry)
-        self._telemetry, self._patches = telemetry, patches
+        self._telemetry, self._patches, self._given = telemetry, patches, dict(kwargs)
         # pool workers flush on exit; a forked child drops the parent's aggregations of these instruments;
         # every flush drains the background emitter first
         _lifecycle.enable(
@@ -348,7 +541,7 @@ class GenerateInstrumentor(BaseInstrumentor):
                 generate_loop.wait_for_setups(telemetry)
         if patches is not None:
             patches.restore_all()  # exactly what the hooks of PATCHES installed
-        self._telemetry = self._patches = None
+        self._telemetry = self._patches = self._given = None
         _lifecycle.disable()  # the fork hook stays registered but does nothing
 
 

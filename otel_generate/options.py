@@ -329,6 +329,52 @@ def resolve(kwargs: Dict[str, Any]) -> Options:
     )
 
 
+#: The environment variable of each option that has one.
+ENVIRONMENT: Dict[str, str] = {
+    "synchronize": ENV_SYNCHRONIZE,
+    "max_step_spans": ENV_MAX_STEP_SPANS,
+    "step_spans": ENV_STEP_SPANS,
+    "slow_time_to_first_token": ENV_SLOW_TIME_TO_FIRST_TOKEN,
+    "slow_time_per_output_token": ENV_SLOW_TIME_PER_OUTPUT_TOKEN,
+    "slow_fraction": ENV_SLOW_FRACTION,
+    "outlier_factor": ENV_OUTLIER_FACTOR,
+    "background_emission": ENV_BACKGROUND_EMISSION,
+    "measure_memory": ENV_MEASURE_MEMORY,
+    "capture_message_content": _content.ENV_CAPTURE_MESSAGE_CONTENT,
+    "capture_step_token_ids": _content.ENV_CAPTURE_STEP_TOKEN_IDS,
+    "capture_step_logprobs": _content.ENV_CAPTURE_STEP_LOGPROBS,
+    "tensor_parallel_spans": ENV_TENSOR_PARALLEL_SPANS,
+}
+SOURCE_ARGUMENT, SOURCE_ENVIRONMENT, SOURCE_DEFAULT = "argument", "environment", "default"
+
+
+def explain(kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Dict[str, Any]]:
+    """Each option with an environment variable, as ``resolve(kwargs)`` gives it, and where its
+    value came from: ``{"value", "source", "variable"}``, the source one of ``"argument"`` (an
+    ``instrument()`` keyword), ``"environment"`` (the variable, read) or ``"default"`` (nothing
+    set, or a value that could not be parsed: ``"ignored"`` then holds it).
+
+    Raises what :func:`resolve` raises for bad keywords.
+    """
+    kwargs = dict(kwargs or {})
+    resolved = resolve(kwargs)
+    explained: Dict[str, Dict[str, Any]] = {}
+    for name, variable in ENVIRONMENT.items():
+        value = getattr(resolved, name)
+        entry: Dict[str, Any] = {"value": getattr(value, "name", value), "variable": variable}
+        raw = os.environ.get(variable)
+        if kwargs.get(name) is not None:
+            entry["source"] = SOURCE_ARGUMENT
+        elif raw is None or not raw.strip():
+            entry["source"] = SOURCE_DEFAULT
+        elif (variable, raw) in _warned_env:  # resolve() reported it and used the default
+            entry.update(source=SOURCE_DEFAULT, ignored=raw)
+        else:
+            entry["source"] = SOURCE_ENVIRONMENT
+        explained[name] = entry
+    return explained
+
+
 def _parse_policy_keyword(value: str) -> str:
     try:
         return _parse_policy(value)

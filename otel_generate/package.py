@@ -15,7 +15,8 @@ from typing import Any, Iterable, List
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
 
-_instruments = ("transformers >= 4.46", "torch >= 2.1")
+#: transformers: the range CI tests, from the oldest release it runs (4.46.3) to the newest pip resolves.
+_instruments = ("transformers >= 4.46.3", "torch >= 2.1")
 
 _supports_metrics = True
 

@@ -332,8 +332,9 @@ def main_bench(config: BenchConfig, stdout: Any = None, stderr: Any = None) -> i
 # --------------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``otel-generate`` parser with its subcommands."""
+def build_parser(commands_from: Sequence[Callable[[Any], None]] = ()) -> argparse.ArgumentParser:
+    """The ``otel-generate`` parser with its subcommands: ``bench``, then each of ``commands_from``
+    (a function that adds its subcommand to the ``add_subparsers()`` object it is given)."""
     from otel_generate.version import __version__
 
     parser = argparse.ArgumentParser(
@@ -350,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_arguments(bench_parser)
     bench_parser.set_defaults(handler=_bench, command_parser=bench_parser)
+    for add in commands_from:
+        add(commands)
     return parser
 
 
@@ -362,14 +365,15 @@ def _bench(args: argparse.Namespace, argv: List[str]) -> int:
         return 2  # pragma: no cover
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, commands_from: Sequence[Callable[[Any], None]] = ()) -> int:
     """Run ``otel-generate`` with ``argv`` (default ``sys.argv[1:]``); return the exit status.
+    ``commands_from``: more subcommands (:func:`build_parser`; the console script adds ``doctor``).
 
     An argument the subcommand does not know is reported with the subcommand's own usage
     (``usage: otel-generate bench ...``), not the top-level one.
     """
     args_list = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(commands_from)
     try:
         args, unknown = parser.parse_known_args(args_list)
         if unknown:

@@ -25,5 +25,7 @@ Serving paths:
   manager API, ``generate(..., cache_implementation="paged")``), one request per submitted request:
   the hooks there, the named records in :mod:`.cb_records`, the per-manager logs in
   :mod:`.cb_manager`, the pure derivation of a ``Request`` in :mod:`.cb_derive`;
-* :mod:`.serve`: ``transformers serve``'s inference thread runs each request in its handler's context.
+* :mod:`.serve`: ``transformers serve``: up to 5.24 its inference thread runs each request in its
+  handler's context; from 5.25 each request carries its context (:mod:`._carrier`) from the API
+  server to the model's process, which runs it there.
 """

@@ -12,7 +12,8 @@ innermost instrumented frame running in this context. Its four values:
 * ``None``: no request.
 
 Also here: the pure helpers every producer shares (the strategy of a ``GenerationConfig``, the
-model's name, the returned sequences of a ``generate()`` result). This module imports nothing of
+model's name, the returned sequences of a ``generate()`` result), and the OpenTelemetry context
+key of a served request's response id (:data:`RESPONSE_ID_KEY`). This module imports nothing of
 the package but :mod:`otel_generate.attributes` (a leaf module of names): the frames are told
 apart by the two marker classes below, which :mod:`.loop_state` subclasses.
 """
@@ -23,12 +24,25 @@ import contextvars
 import inspect
 from typing import Any, Callable, Optional
 
+from opentelemetry import context as otel_context
+
 from otel_generate import attributes as A
 
 #: The innermost instrumented frame running in this context (see the module docstring).
 _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("otel_generate_active_request", default=None)
 #: The frame of a ``generate()`` running inside a step of a loop: not recorded.
 _NESTED = object()
+#: OpenTelemetry context key: the id the client of a served request receives (``gen_ai.response.id``).
+#: :mod:`.serve` sets it, with the request's parent, where the model's process of ``transformers
+#: serve`` (5.25 and newer) takes the request from an API server; the producers read it at submission.
+RESPONSE_ID_KEY = otel_context.create_key("otel_generate.response_id")
+
+
+def response_id(context: Any = None) -> Optional[str]:
+    """The served request's response id in ``context`` (default: the current one), else ``None``."""
+    value = otel_context.get_value(RESPONSE_ID_KEY, context)
+    return value if isinstance(value, str) else None
+
 
 #: Strategies whose stopping-criteria rows are the returned sequences (beam search checks
 #: flattened candidate beams instead).

@@ -112,7 +112,7 @@ def incomplete_request(record: CBRecord, model: str, device: Optional[str], now_
         timed=record.timed,
         device=device,
         parameters=dict(record.parameters),
-        request_id=record.request_id,
+        request_id=record.response_id or record.request_id,
         incomplete=True,
         end_ns=max(now_ns, record.start_ns),
     )
@@ -135,7 +135,7 @@ def request_of(
         synchronized=True,  # every clock read follows transformers' own wait for the device
         device=device,
         parameters=dict(record.parameters),
-        request_id=record.request_id,
+        request_id=record.response_id or record.request_id,
     )
     if record.timed:
         fill_steps(request, outcome.steps, record.start_ns)

@@ -150,6 +150,7 @@ class CBRecord:
         "last_body",
         "streaming",
         "first_chunk_ns",
+        "response_id",
     )
 
     def __init__(self, request_id: str, start_ns: int, start_wall_ns: int, sequences: int) -> None:
@@ -172,6 +173,8 @@ class CBRecord:
         self.streaming = False
         #: when the first output with generated tokens was handed over (streaming requests)
         self.first_chunk_ns: Optional[int] = None
+        #: the id its client receives when that is not ``request_id`` (``transformers serve`` 5.25+), else ``None``
+        self.response_id: Optional[str] = None
 
     def complete(self) -> bool:
         """Every sequence delivered its final output, or the request failed or was cancelled."""

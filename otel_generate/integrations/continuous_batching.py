@@ -57,7 +57,7 @@ from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 from otel_generate import attributes as A
 from otel_generate import clock, emit, ranks
 from otel_generate._faults import LOGGER_NAME, Fault, log_fault_once
-from otel_generate.integrations._routing import _ACTIVE, _NESTED, strategy_of
+from otel_generate.integrations._routing import _ACTIVE, _NESTED, response_id, strategy_of
 from otel_generate.integrations.cb_manager import (
     STATE_ATTR,
     ManagerState,
@@ -166,6 +166,7 @@ def make_add_request(original: Callable, telemetry: Telemetry) -> Callable:
             return request_id
         try:
             record = _record(telemetry, self, signature, args, kwargs, request_id, start_ns, start_wall_ns)
+            record.response_id = response_id(context)  # transformers serve 5.25+: the id its client receives
             if group is not None:
                 record.group = group
                 record.timed = group.loop.call.timed

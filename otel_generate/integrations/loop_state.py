@@ -39,6 +39,7 @@ from otel_generate.integrations._routing import (
     custom_generate_name,
     loop_strategy,
     model_name,
+    response_id,
 )
 from otel_generate.integrations.streamer import _TimedStreamer
 from otel_generate.request import Request
@@ -150,6 +151,7 @@ class Call(CallFrame):
             self.request = Request(
                 model=self.name, start_ns=0, start_wall_ns=0, timed=self.timed, synchronized=synchronized, device=device
             )
+            self.request.request_id = response_id()  # a request served by transformers serve (5.25+): its client's id
             self.memory_device = (
                 figures.cuda_device(device) if self.detailed and telemetry.options.measure_memory else None
             )

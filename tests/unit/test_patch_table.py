@@ -7,6 +7,7 @@ covered in tests/integration/test_generate_loop.py.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import types
 
@@ -74,7 +75,14 @@ def test_a_modules_rows_are_installed_with_their_factories_and_restored():
 
 
 def test_continuous_batching_is_every_hook_point_or_none(caplog):
-    manager = _class("ContinuousBatchingManager", add_request=None, cancel_request=None)  # no _generation_loop_body
+    def add_request(self, input_ids, request_id=None, max_new_tokens=None, streaming=False, eos_token_id=None):
+        return request_id
+
+    def cancel_request(self, request_id):
+        return None
+
+    # no _generation_loop_body
+    manager = _class("ContinuousBatchingManager", add_request=add_request, cancel_request=cancel_request)
     manager_before = dict(vars(manager))
     module = _module(CONTINUOUS, ContinuousBatchingManager=manager, OutputRouter=_class("OutputRouter"))
     telemetry, patches = _telemetry(), Patches()
@@ -82,8 +90,19 @@ def test_continuous_batching_is_every_hook_point_or_none(caplog):
         _install_module(patches, telemetry, CONTINUOUS, _rows(CONTINUOUS), module)
     assert patches.installed() == () and dict(vars(manager)) == manager_before
     assert telemetry.emitter is None  # no background emitter started for it either
-    (message,) = [r.getMessage() for r in caplog.records if "continuous batching" in r.getMessage()]
-    assert "ContinuousBatchingManager._generation_loop_body" in message and "OutputRouter.deliver" in message
+    # one WARNING per point it lacks, naming the version and the feature; no traceback
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.getMessage().rpartition(": ")[2] for r in warnings] == [
+        "`ContinuousBatchingManager._generation_loop_body` not found",
+        "`OutputRouter.deliver` not found",
+        "`OutputRouter.deliver_batch` not found",
+    ]
+    version = importlib.metadata.version("transformers")
+    for record in warnings:
+        assert record.getMessage().startswith(
+            f"otel_generate: transformers {version}: continuous batching requests will not be traced: "
+        )
+        assert record.exc_info is None
 
 
 def test_rows_with_a_condition_follow_the_options():
