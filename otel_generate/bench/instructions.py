@@ -132,6 +132,10 @@ CONFIGURATIONS: Dict[str, Tuple[str, Optional[Dict[str, Any]], bool]] = {
 }
 #: The thread views each configuration is counted in: the caller's thread alone, and every thread.
 THREAD_VIEWS = ("caller", "all")
+#: Configurations that run one thread (BLAS and OpenMP kept to one): counted once, threads apart,
+#: which is also their count of every thread.
+SINGLE_THREADED = frozenset({"plain"})
+SINGLE_THREADED_VIEWS = ("caller",)
 #: Uninstrumented configurations that still set up the SDK providers (a ``TracerProvider`` with
 #: :func:`span_processor`, a ``MeterProvider``), so that their span processor's thread is alive: the
 #: baseline of what instrumenting ``generate()`` adds in a process that has OpenTelemetry set up.
@@ -145,10 +149,32 @@ DEFAULT_CALLS_LOW = 2
 DEFAULT_CALLS_HIGH = 18
 #: The libc function whose call marks a border between parts (``--dump-before``).
 MARKER = "getloadavg"
+#: Set by the parent: the child turns callgrind's counting on itself (``callgrind_control -i on``)
+#: once its imports, set-up and warmup are done; valgrind starts with ``--instr-atstart=no``.
+COUNT_SWITCH_ENV = "OTEL_GENERATE_CALLGRIND_SWITCH"
+
+
+def start_counting() -> None:
+    """In the process under valgrind: turn callgrind's counting on (``callgrind_control -i on``,
+    which returns once valgrind has done it); nothing when the parent did not ask for it.
+
+    Raises:
+        RuntimeError: ``callgrind_control`` failed (the counts would be empty).
+    """
+    if os.environ.get(COUNT_SWITCH_ENV) != "1":
+        return
+    done = subprocess.run(
+        ["callgrind_control", "--instr=on", str(os.getpid())], capture_output=True, text=True, timeout=600
+    )
+    if done.returncode != 0 or "OK" not in done.stdout:
+        raise RuntimeError(f"callgrind_control --instr=on failed: {done.stdout[-500:]} {done.stderr[-500:]}")
+
+
 #: At most this many processes under valgrind at a time (each holds about 2 GB with torch loaded).
 MAX_PROCESSES = 4
 VALGRIND_MISSING = (
-    "--instructions needs valgrind (its callgrind tool) on PATH; install it, e.g. apt-get install valgrind"
+    "--instructions needs valgrind (its callgrind tool and callgrind_control) on PATH; install it, e.g. "
+    "apt-get install valgrind"
 )
 SINGLE_THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 #: String hashing fixed, so that dict and set layouts (and their probe counts) are the same in
@@ -228,7 +254,7 @@ def validate(config: BenchConfig) -> None:
         "opentelemetry.sdk",
         "--instructions needs the OpenTelemetry SDK: pip install opentelemetry-sdk (the package's [bench] extra)",
     )
-    if shutil.which("valgrind") is None:
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise BenchUsageError(VALGRIND_MISSING)
 
 
@@ -283,12 +309,13 @@ def run(config: BenchConfig) -> Dict[str, Any]:
     names = config.configurations.split(",")
     workdir = tempfile.mkdtemp(prefix="otel-generate-instructions-")
     try:
-        processes = len(names) * len(THREAD_VIEWS)
+        views = {name: SINGLE_THREADED_VIEWS if name in SINGLE_THREADED else THREAD_VIEWS for name in names}
+        processes = sum(len(v) for v in views.values())
         jobs = min(processes, max(1, os.cpu_count() or 1), MAX_PROCESSES)
         print(
-            f"otel-generate bench --instructions: {len(names)} configuration(s) under callgrind, two processes each "
-            f"(the caller's thread, all threads; {jobs} at a time), {config.calls_low} and {config.calls_high} calls "
-            "each; this takes minutes",
+            f"otel-generate bench --instructions: {len(names)} configuration(s) under callgrind in {processes} "
+            f"processes (the caller's thread and all threads apart; {jobs} at a time), {config.calls_low} and "
+            f"{config.calls_high} calls each; this takes minutes",
             file=sys.stderr,
         )
         children = _Children()
@@ -306,9 +333,11 @@ def run(config: BenchConfig) -> Dict[str, Any]:
                     view == "caller",
                 )
                 for index, name in enumerate(names)
-                for view in THREAD_VIEWS
+                for view in views[name]
             }
             done = {key: future.result() for key, future in futures.items()}
+            for name in names:  # a single thread: the caller's count is every thread's
+                done.setdefault((name, "all"), done[(name, "caller")])
         except BaseException:  # a configuration failed, or Ctrl-C: start no other, stop those running
             children.stop()
             pool.shutdown(wait=False, cancel_futures=True)
@@ -377,6 +406,9 @@ def _run_configuration(
     command = [
         "valgrind",
         "--tool=callgrind",
+        # counting starts when the child turns it on (callgrind_control), after its imports and warmup:
+        # importing torch alone is about 17 G instructions, which valgrind runs about 10 times faster uncounted
+        "--instr-atstart=no",
         *(["--separate-threads=yes"] if caller_only else []),
         f"--dump-before={MARKER}",
         f"--callgrind-out-file={prefix}",
@@ -389,6 +421,7 @@ def _run_configuration(
     env = dict(os.environ)
     env.update(SINGLE_THREAD_ENV)
     env.update(HASH_SEED_ENV)
+    env[COUNT_SWITCH_ENV] = "1"
     # the process's own progress lines go to this stderr; valgrind's messages to its log
     returncode = children.run(command, env)
     if returncode != 0 or not os.path.exists(child_path):

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 from otel_generate.bench.config import BenchConfig
 from otel_generate.bench.environment import versions
 from otel_generate.bench.exporters import make_exporters
-from otel_generate.bench.instructions import CONFIGURATIONS, PROVIDERS_ONLY, span_processor
+from otel_generate.bench.instructions import CONFIGURATIONS, PROVIDERS_ONLY, span_processor, start_counting
 from otel_generate.bench.workload import Runner, model_description, sequences_of
 from otel_generate.options import STEP_SPANS_NONE, STEP_SPANS_SLOW
 
@@ -74,6 +74,7 @@ def main(spec_path: str) -> None:
         flush()
         spans_before = exporter.spans if exporter is not None else 0
         gc.collect()
+        start_counting()  # (imports, set-up and warmup were not counted)
         mark(f"{name} setup")
         for part, calls in (("low", config.calls_low), ("high", config.calls_high)):
             for _ in range(calls):
