@@ -177,8 +177,14 @@ def _annotate(
         if summary.acceptance_rate is not None:
             attrs[A.GENERATE_ASSISTED_ACCEPTANCE_RATE] = summary.acceptance_rate
         steps_unseen = summary.steps_unseen
+        if summary.energy_j is not None:
+            attrs[A.GENERATE_ENERGY] = summary.energy_j
+            if summary.energy_per_output_token_j is not None:
+                attrs[A.GENERATE_ENERGY_PER_OUTPUT_TOKEN] = summary.energy_per_output_token_j
         if request.timed:
             attrs[A.GENERATE_SYNCHRONIZED] = request.synchronized
+            if request.clock is not None:
+                attrs[A.GENERATE_CLOCK] = request.clock
             if request.device is not None:
                 attrs[A.GENERATE_DEVICE] = request.device
             if request.unobserved is not None:
@@ -270,7 +276,8 @@ def _emit_steps(telemetry: Telemetry, span: Any, request: Request, summary: Summ
     step_requests = request.step_requests
     token_ids = request.step_token_ids or ()  # opt-in content, one list per step
     logprobs = request.step_logprobs or ()
-    extra = bool(step_requests is not None or token_ids or logprobs or outliers)
+    energies = summary.step_energies_j
+    extra = bool(step_requests is not None or token_ids or logprobs or outliers or energies is not None)
     # the base attributes and the outlier flag are numbers: only the others need fast_eligible's check
     check = bool(step_requests is not None or token_ids or logprobs)
     INDEX, TOKEN, TOKENS, LATENCY = (
@@ -292,6 +299,8 @@ def _emit_steps(telemetry: Telemetry, span: Any, request: Request, summary: Summ
                 attributes[A.GENERATE_STEP_REQUESTS] = step_requests[index]
             if index in outliers:
                 attributes[A.GENERATE_STEP_OUTLIER] = True
+            if energies is not None:
+                attributes[A.GENERATE_STEP_ENERGY] = energies[index]
             if index < len(token_ids) and token_ids[index]:
                 attributes[A.GENERATE_STEP_TOKEN_IDS] = token_ids[index]
             if index < len(logprobs) and logprobs[index]:
@@ -443,6 +452,8 @@ def _record_metrics(
             values.append((A.METRIC_TIME_TO_FIRST_TOKEN, summary.time_to_first_token_s, base, key))
         if summary.time_per_output_token_s is not None:
             values.append((A.METRIC_TIME_PER_OUTPUT_TOKEN, summary.time_per_output_token_s, base, key))
+        if summary.energy_per_output_token_j is not None and A.METRIC_ENERGY_PER_OUTPUT_TOKEN in instruments:
+            values.append((A.METRIC_ENERGY_PER_OUTPUT_TOKEN, summary.energy_per_output_token_j, base, key))
     if A.METRIC_TOKEN_USAGE in instruments:
         if request.input_tokens is not None:
             values.append((A.METRIC_TOKEN_USAGE, request.input_tokens, input_usage, input_key))

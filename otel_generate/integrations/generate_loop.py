@@ -62,7 +62,8 @@ UNINSTRUMENT_SETUP_WAIT_S = 2.0
 
 
 def finish(call: Call, result: Any = None, exc: Optional[BaseException] = None) -> Any:
-    """End the request: sync, read the clock, account tokens, then emit; never raises.
+    """End the request: sync (or wait for its last device event), read the clock, account tokens,
+    then emit; never raises.
 
     Returns ``result`` (with ``token_latencies`` attached when asked for).
     """
@@ -72,12 +73,16 @@ def finish(call: Call, result: Any = None, exc: Optional[BaseException] = None) 
     setup_done(call)
     try:
         call.synchronize()
+        call.wait_for_last_event()  # synchronize="events": the request's one wait
         request.end_ns = clock.monotonic_ns()
+        call.read_energy_end()
         request.memory_peak_bytes = call.memory(figures.peak_memory)
         for loop in call.loops:
             if not loop.closed and loop.observed():  # an implicit loop ends with its call
                 loop.size_cache(result if loop.model is call.model else None)
+        call.resolve_device_times()  # before the steps are accounted
         loops = account_call(call, result, exc)
+        call.attribute_energy(loops)
         if call.content is not None:  # opt-in content capture (otel_generate.content)
             call.content.fill(call, loops, result)
     except Exception as fault:
