@@ -159,23 +159,24 @@ class Call(CallFrame):
                 on_device = not (device == "cpu" and len(devices) == 1)
                 if mode == SYNCHRONIZE_EVENTS:
                     self.events = device_events(devices, on_device)
+                # (the readings must follow the device's work: none with synchronize=False)
+                if on_device and mode and telemetry.options.measure_energy:
+                    self.energy = energy.meter_for(devices)
                 if mode and on_device:
                     try:
                         if self.events is None:
                             self.sync = clock.synchronizer_for(devices)
-                        elif telemetry.options.measure_energy:
+                        elif self.energy is not None:
                             start_wait = clock.synchronizer_for(devices)
                     except ValueError as fault:  # a device type with no synchronize we know of
                         synchronized = False
                         log_fault_once(Fault.DEVICE_SYNCHRONIZE, fault)
-                if on_device and telemetry.options.measure_energy:
-                    self.energy = energy.meter_for(devices)
+                if self.energy is not None:
                     policy = telemetry.policy
                     # each step boundary reads the counter where step spans may be built and the
                     # reading follows the device's wait (not in events mode: the host runs ahead)
                     self.step_energy = (
-                        self.energy is not None
-                        and self.events is None
+                        self.events is None
                         and self.sync is not None
                         and self.span.is_recording()
                         and policy.name != STEP_SPANS_NONE
@@ -395,6 +396,8 @@ class Call(CallFrame):
         if self.energy is None:
             return
         request = self.request
+        if not request.synchronized:  # a wait or an event failed: the readings need not follow the work
+            return
         request.energy_mj = energy.request_energy_mj(self.energy_start_mj, self.energy_end_mj)
         if request.energy_mj is None or not self.step_energy or len(loops) != 1:
             return

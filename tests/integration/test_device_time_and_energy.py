@@ -110,6 +110,18 @@ def test_events_mode_with_a_callback_still_waits_for_nothing_per_step(
     assert [s.end_time - s.start_time for s in spans] == expected
 
 
+def test_events_mode_without_nvml_never_waits_for_the_device(
+    monkeypatch, instrument, tracer_provider, span_exporter, gpt2
+):
+    """Energy on (the default) but no NVML here: no reading to line up, so no wait at the start either."""
+    fake = install_events(monkeypatch, FakeEvents())
+    install_nvml(monkeypatch, None)
+    instrument(tracer_provider=tracer_provider, synchronize="events")
+    run(gpt2, seed=50)
+    assert "device synchronize" not in fake.names() and fake.names().count("synchronize") == 1
+    assert only_request(span_exporter).attributes[A.GENERATE_CLOCK] == A.CLOCK_DEVICE
+
+
 def test_events_on_the_cpu_change_nothing_and_say_so_once(
     monkeypatch, fresh_log, caplog, instrument, tracer_provider, span_exporter, gpt2
 ):
@@ -288,3 +300,14 @@ def test_no_nvml_or_nvml_raising_leaves_generation_alone_with_one_log_line(
         assert A.GENERATE_STEPS_INCOMPLETE not in request.attributes  # the steps are not affected
         assert request.attributes[A.GENERATE_STEPS] == NEW_TOKENS
         assert all(A.GENERATE_STEP_ENERGY not in s.attributes for s in step_spans(span_exporter, request))
+
+
+def test_synchronize_false_reads_no_energy(monkeypatch, instrument, tracer_provider, span_exporter, gpt2):
+    """Readings that follow no wait would not follow the device's work: none are taken."""
+    install_events(monkeypatch, FakeEvents())
+    nvml = FakeNVML()
+    install_nvml(monkeypatch, nvml)
+    instrument(tracer_provider=tracer_provider, synchronize=False)
+    run(gpt2, seed=49)
+    assert nvml.reads == []
+    assert A.GENERATE_ENERGY not in only_request(span_exporter).attributes
