@@ -176,21 +176,29 @@ def meter_for(devices: Any) -> Optional[EnergyMeter]:
                 fault,
                 level=logging.WARNING,
             )
-    with _lock:
-        _meters[indices] = meter
+    _meters[indices] = meter  # (a dictionary store: atomic; two first requests may both look, alike)
     return meter
 
 
 def reset() -> None:
-    """Forget NVML and the meters (a forked child starts NVML again; tests use a fake NVML)."""
+    """Forget NVML and the meters: the next CUDA request starts NVML again."""
     global _nvml
     with _lock:
         _nvml = _UNTRIED
         _meters.clear()
 
 
+def _after_fork_in_child() -> None:
+    """A forked child starts NVML again, with a new lock (a thread of the parent may have held the
+    old one at the fork: it would never be released here)."""
+    global _lock, _nvml, _meters
+    _lock = threading.Lock()
+    _nvml = _UNTRIED
+    _meters = {}
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=reset)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # --- what the readings can honestly say (pure) --------------------------------------------------------

@@ -32,6 +32,8 @@ from otel_generate.integrations.cb_records import (
     Outcome,
     base_id,
 )
+from otel_generate.integrations.loop_state import device_events
+from otel_generate.options import SYNCHRONIZE_EVENTS
 from otel_generate.request import Request
 from otel_generate.telemetry import Telemetry
 
@@ -78,9 +80,6 @@ class StepMarks:
 def step_marks_for(telemetry: Telemetry, model: Any) -> Optional[StepMarks]:
     """The manager's :class:`StepMarks`, or ``None`` (neither events nor energy: the hooks then
     record only the clock)."""
-    from otel_generate.integrations.loop_state import device_events
-    from otel_generate.options import SYNCHRONIZE_EVENTS
-
     options = getattr(telemetry, "options", None)
     if options is None or (options.synchronize != SYNCHRONIZE_EVENTS and not options.measure_energy):
         return None

@@ -73,16 +73,21 @@ def finish(call: Call, result: Any = None, exc: Optional[BaseException] = None) 
     setup_done(call)
     try:
         call.synchronize()
-        call.wait_for_last_event()  # synchronize="events": the request's one wait
+        events = call.events is not None
+        if events:  # synchronize="events": the wait on the request's last event
+            call.wait_for_last_event()
         request.end_ns = clock.monotonic_ns()
-        call.read_energy_end()
+        if call.energy is not None:
+            call.read_energy_end()
         request.memory_peak_bytes = call.memory(figures.peak_memory)
         for loop in call.loops:
             if not loop.closed and loop.observed():  # an implicit loop ends with its call
                 loop.size_cache(result if loop.model is call.model else None)
-        call.resolve_device_times()  # before the steps are accounted
+        if events:  # the steps' device times, before they are accounted
+            call.resolve_device_times()
         loops = account_call(call, result, exc)
-        call.attribute_energy(loops)
+        if call.energy is not None:
+            call.attribute_energy(loops)
         if call.content is not None:  # opt-in content capture (otel_generate.content)
             call.content.fill(call, loops, result)
     except Exception as fault:

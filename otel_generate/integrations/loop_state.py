@@ -327,8 +327,9 @@ class Call(CallFrame):
         return self.start_event
 
     def wait_for_last_event(self) -> None:
-        """``synchronize="events"``: wait for the request's last event, the only wait of the mode
-        (``generate()`` returns tensors its caller reads: that work completes anyway)."""
+        """``synchronize="events"``: wait for the request's last event, the mode's only wait (besides
+        one before the start's energy reading, when energy is read): ``generate()`` returns tensors
+        its caller reads, so that work completes anyway."""
         if self.events is None or self.start_event is None:
             return
         last = self.last_event()
