@@ -28,9 +28,13 @@ Configuration
 ``instrument()`` takes these keywords (an unknown keyword raises ``TypeError``):
 
 * ``tracer_provider`` / ``meter_provider``: providers to use instead of the global ones.
-* ``synchronize`` (bool, default ``True``): wait for the device (``torch.cuda.synchronize``,
-  ``torch.xpu.synchronize``, ``torch.mps.synchronize``) before each step's clock read. On CPU
-  nothing is called either way. Environment: ``OTEL_GENERATE_SYNCHRONIZE=true|false``.
+* ``synchronize`` (``True``/``"wait"``, the default; ``"events"``; or ``False``): ``True`` waits for
+  the device (``torch.cuda.synchronize``, ``torch.xpu.synchronize``, ``torch.mps.synchronize``)
+  before each step's clock read; ``"events"`` (opt-in, one CUDA device) records a CUDA timing event
+  per step instead, without waiting, and reads the steps' device times after the request
+  (``generate.clock = device``; it falls back to ``True`` elsewhere, saying so once); ``False``
+  waits for nothing. On CPU nothing is called either way. Environment:
+  ``OTEL_GENERATE_SYNCHRONIZE=true|false|wait|events``.
 * ``max_step_spans`` (int >= 0, default 1024): at most this many step spans per request; the
   request span still carries the totals and ``generate.step_spans.dropped`` says how many steps
   were timed but not exported as spans. Environment: ``OTEL_GENERATE_MAX_STEP_SPANS``.
@@ -66,6 +70,10 @@ Configuration
 * ``measure_memory`` (bool, default ``True``): on CUDA, the peak memory allocated during each
   request (resets ``torch.cuda``'s peak statistic at its start). Environment:
   ``OTEL_GENERATE_MEASURE_MEMORY``.
+* ``measure_energy`` (bool, default ``True``): on CUDA with NVML (``pip install
+  'otel-generate[energy]'``), the energy each request used (``generate.energy``, per output token,
+  per step), from the GPU's energy counter; without NVML it is off. Environment:
+  ``OTEL_GENERATE_MEASURE_ENERGY``.
 * ``tensor_parallel_spans`` (``"rank0"`` or ``"all"``; default ``"rank0"``): when the model is
   sharded by tensor parallelism (``tp_plan``), only the group's rank 0 emits a call's request
   (span and metrics); ``"all"``: every rank emits its own request span, tagged with its rank, and

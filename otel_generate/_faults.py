@@ -28,8 +28,10 @@ class Fault:
     CONTINUOUS_BATCHING_STEP = "continuous batching step"
     CONTINUOUS_BATCHING_SUBMIT = "continuous batching submit"
     CONTINUOUS_BATCHING_UNINSTRUMENT = "continuous batching uninstrument"
+    DEVICE_EVENTS = "device events"
     DEVICE_SYNCHRONIZE = "device synchronize"
     DISTRIBUTED_RANKS = "distributed ranks"
+    ENERGY_READING = "energy reading"
     GENERATE_OVERRIDE_HOOK = "generate override hook"
     GENERATION_CONFIG_CAPTURE = "generation config capture"
     IMPLIED_STEP_LENGTHS = "implied step lengths"
@@ -85,6 +87,20 @@ def log_fault_once(kind: str, exc: BaseException) -> None:
             exc,
             exc_info=(type(exc), exc, exc.__traceback__),
         )
+    except Exception:  # pragma: no cover - logging itself failed
+        pass
+
+
+def note_once(key: str, message: str, *args: object, level: int = logging.INFO) -> None:
+    """Log ``message % args`` once per ``key`` per process on the logger ``otel_generate``, at
+    ``level`` (INFO by default): a setting that cannot apply here and what is done instead (not
+    a fault: no traceback). Never raises."""
+    try:
+        with _logged_lock:
+            if ("note", key) in _logged_kinds:
+                return
+            _logged_kinds.add(("note", key))
+        _LOG.log(level, message, *args)
     except Exception:  # pragma: no cover - logging itself failed
         pass
 

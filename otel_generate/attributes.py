@@ -72,7 +72,20 @@ GENERATE_TIME_IN_QUEUE = "generate.time_in_queue"
 #: Seconds spent inside the streamer's ``put`` and ``end`` calls (part of the step latencies).
 GENERATE_STREAMER_DURATION = "generate.streamer.duration"
 GENERATE_DEVICE = "generate.device"
+#: True when the step times are those of completed device work: each clock read waited for the device
+#: (``synchronize=True``, the default), or the times are CUDA-event device times (``synchronize="events"``),
+#: or the model runs on the CPU; False with ``synchronize=False`` (launch times) or a failed wait.
 GENERATE_SYNCHRONIZED = "generate.synchronized"
+#: Which clock the step times, time to first token and time per output token were read from: present,
+#: with the value ``device``, only when they are CUDA-event device times (``synchronize="events"``); absent
+#: means the host clock (every other request).
+GENERATE_CLOCK = "generate.clock"
+CLOCK_DEVICE = "device"
+#: Joules the request used: NVML's total-energy counter of its device(s), read at its start and end
+#: (continuous batching: the sum of its shares of the batch steps it took part in). Where NVML is available.
+GENERATE_ENERGY = "generate.energy"
+#: ``generate.energy`` divided by ``gen_ai.usage.output_tokens`` (joules).
+GENERATE_ENERGY_PER_OUTPUT_TOKEN = "generate.energy.per_output_token"
 #: Number of decode steps that were timed but not emitted as step spans (``max_step_spans`` cap,
 #: or the step-span policy).
 GENERATE_STEP_SPANS_DROPPED = "generate.step_spans.dropped"
@@ -170,6 +183,10 @@ GENERATE_STEP_LATENCY = "generate.step.latency"
 GENERATE_STEP_OUTLIER = "generate.step.outlier"
 #: How many requests shared the batch step (continuous batching).
 GENERATE_STEP_REQUESTS = "generate.step.requests"
+#: Joules the step used (NVML's counter read at its two boundaries; continuous batching: this request's
+#: share of the batch step, in proportion to the tokens it computed in it). Only where the counter advanced
+#: within every step of the request.
+GENERATE_STEP_ENERGY = "generate.step.energy"
 #: Opt-in (:mod:`otel_generate.content`): the token ids this step appended, row-major (every
 #: returned sequence's ``generate.step.tokens`` ids in turn), as the returned tensor holds them.
 GENERATE_STEP_TOKEN_IDS = "generate.step.token_ids"
@@ -192,6 +209,9 @@ METRIC_INTER_TOKEN_LATENCY = "generate.inter_token_latency"
 #: This package's own health: a counter of finished requests whose telemetry the background emitter
 #: dropped because its queue was full (attribute ``gen_ai.operation.name``).
 METRIC_EMITTER_DROPPED = "generate.emitter.dropped_requests"
+#: This package's own: one observation per successful request with energy and output tokens, its joules
+#: divided by its output tokens.
+METRIC_ENERGY_PER_OUTPUT_TOKEN = "generate.energy_per_output_token"
 
 # Explicit bucket boundaries from the GenAI metrics page (seconds, or tokens for usage).
 BUCKETS_TIME_TO_FIRST_TOKEN_S = (
@@ -254,4 +274,23 @@ BUCKETS_INTER_TOKEN_LATENCY_S = (
     0.8,
     1.0,
     2.5,
+)
+#: Joules per output token: 1 mJ (large batches) to 100 J (a large model at batch 1), about 2.5x apart.
+BUCKETS_ENERGY_PER_OUTPUT_TOKEN_J = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    25.0,
+    50.0,
+    100.0,
 )

@@ -7,13 +7,17 @@ A clock read on the host while an accelerator still has queued kernels measures 
 ``None`` and no accelerator function is ever called. The instrumentor's step hook and the
 benchmark harness (:func:`timed_call`) both use this module.
 
+``synchronize="events"`` waits for nothing per step: :func:`device_events_for` gives a
+:class:`DeviceEvents` whose :meth:`~DeviceEvents.mark` records a CUDA timing event on the device's
+stream, and :func:`elapsed_ns` reads two of them once they have completed (device time).
+
 Units: :data:`monotonic_ns` returns integer nanoseconds; :func:`timed_call` returns seconds.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable, Optional, Tuple, TypeVar
+from typing import Any, Callable, Iterable, List, Optional, Tuple, TypeVar
 
 T = TypeVar("T")
 
@@ -88,6 +92,93 @@ def synchronizer_for(devices: Any) -> Optional[Synchronize]:
             call()
 
     return synchronize_all
+
+
+class DeviceEvents:
+    """CUDA timing events on one device's stream: the step boundaries of ``synchronize="events"``.
+
+    :meth:`mark` records a ``torch.cuda.Event(enable_timing=True)`` on the stream (no host wait)
+    and returns it; :func:`elapsed_ns` reads two completed events. Built by
+    :func:`device_events_for`, once per request (or per continuous-batching manager).
+
+    Attributes:
+        stream: the stream the events are recorded on (the device's current stream when the
+            request started, unless another is given).
+        new_event: ``torch.cuda.Event`` (a test double replaces it there).
+    """
+
+    __slots__ = ("stream", "new_event")
+
+    def __init__(self, stream: Any, new_event: Callable[..., Any]) -> None:
+        self.stream = stream
+        self.new_event = new_event
+
+    def mark(self, stream: Any = None) -> Any:
+        """Record a timing event on :attr:`stream` (or ``stream``) now and return it."""
+        event = self.new_event(enable_timing=True)
+        event.record(self.stream if stream is None else stream)
+        return event
+
+    def step_clock(self, events: List[Any], now: Callable[[], int]) -> Callable[[], int]:
+        """A clock for the step hook: each call records an event (appended to ``events``) and
+        then reads ``now`` (the host clock read the step keeps): one event record and one list
+        append, no wait."""
+        new_event, stream, append = self.new_event, self.stream, events.append
+
+        def clock() -> int:
+            event = new_event(enable_timing=True)
+            event.record(stream)
+            append(event)
+            return now()
+
+        return clock
+
+
+#: why :func:`device_events_for` found no events, by devices: ``"cpu"`` (nothing to time on a
+#: device), ``"mps"``/``"xpu"``/``"several devices"`` (not one CUDA device), ``"unavailable"``
+#: (the CUDA event API failed)
+NO_EVENTS_CPU = "cpu"
+NO_EVENTS_NOT_ONE_CUDA_DEVICE = "not one CUDA device"
+NO_EVENTS_UNAVAILABLE = "unavailable"
+
+
+def device_events_for(devices: Any) -> Tuple[Optional[DeviceEvents], Optional[str], Optional[BaseException]]:
+    """CUDA timing events for a model on ``devices`` (as :func:`synchronizer_for` takes them).
+
+    Returns:
+        ``(events, None, None)`` when every accelerator device is one CUDA device: events on that
+        device's current stream. Otherwise ``(None, reason, error)``: ``reason`` is one of
+        :data:`NO_EVENTS_CPU`, :data:`NO_EVENTS_NOT_ONE_CUDA_DEVICE`, :data:`NO_EVENTS_UNAVAILABLE`
+        (then ``error`` is what the CUDA API raised). A CPU model never reaches ``torch``.
+    """
+    if isinstance(devices, (str, int)) or hasattr(devices, "type"):
+        devices = [devices]
+    found = set()
+    for device in devices:
+        kind, index = _device_type_and_index(device)
+        if kind in ("cpu", "meta"):
+            continue
+        found.add((kind, index))
+    if not found:
+        return None, NO_EVENTS_CPU, None
+    kinds = {kind for kind, _ in found}
+    indices = {index for _, index in found}
+    if kinds != {"cuda"} or len(indices - {None}) > 1:
+        return None, NO_EVENTS_NOT_ONE_CUDA_DEVICE, None
+    try:
+        import torch
+
+        index = next((i for i in indices if i is not None), None)
+        target = torch.device("cuda", index) if index is not None else None
+        return DeviceEvents(torch.cuda.current_stream(target), torch.cuda.Event), None, None
+    except Exception as error:  # no CUDA driver, a build without CUDA: the events are unavailable
+        return None, NO_EVENTS_UNAVAILABLE, error
+
+
+def elapsed_ns(start: Any, end: Any) -> int:
+    """Nanoseconds between two completed timing events (``start.elapsed_time(end)`` is in
+    milliseconds, resolved to about half a microsecond), rounded to an integer."""
+    return round(start.elapsed_time(end) * NS_PER_MS)
 
 
 def timed_call(

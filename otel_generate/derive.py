@@ -28,6 +28,8 @@ Definitions, for steps of ``step_tokens[i]`` tokens per sequence ending at ``ste
 * prefill steps: the first ``prefill_steps`` steps and the first step of every inner call;
 * outliers: decode steps slower than ``outlier_factor`` times the request's median decode step
   (none with fewer than 3 decode steps).
+* energy: the request's millijoules in joules, divided by its output tokens for the energy per
+  output token; each step's, when the producer could attribute one to every step.
 
 :func:`derive` is pure except for the ``slow`` policy, whose decision adds the request to its
 model's running distribution (:class:`~otel_generate.policy.SlowRequests`).
@@ -46,6 +48,7 @@ from otel_generate.policy import StepSpanPolicy
 from otel_generate.request import Request
 
 _NO_STEPS: tuple = ()
+MJ_PER_J = 1000
 _DEFAULT_POLICY = StepSpanPolicy()
 
 
@@ -78,6 +81,10 @@ class Summary:
             first step (``steps``), when known.
         acceptance_rate: assisted decoding's accepted ÷ proposed candidate tokens (``steps``),
             when any was proposed.
+        energy_j: joules the request used (``Request.energy_mj``), else ``None``.
+        energy_per_output_token_j: ``energy_j`` divided by the output tokens, when both are known
+            and there is at least one token, else ``None``.
+        step_energies_j: joules per step (``steps``), when every step's energy is known, else ``None``.
     """
 
     duration_s: float
@@ -101,6 +108,9 @@ class Summary:
     streamer_s: Optional[float] = None
     time_in_queue_s: Optional[float] = None
     acceptance_rate: Optional[float] = None
+    energy_j: Optional[float] = None
+    energy_per_output_token_j: Optional[float] = None
+    step_energies_j: Optional[List[float]] = None
 
 
 def derive(
@@ -144,6 +154,10 @@ def derive(
     )
     if request.first_chunk_ns is not None:
         summary.time_to_first_chunk_s = (request.first_chunk_ns - start) / per_second
+    if request.energy_mj is not None:
+        energy_j = summary.energy_j = request.energy_mj / MJ_PER_J
+        if request.output_tokens:
+            summary.energy_per_output_token_j = energy_j / request.output_tokens
     if not (steps or spans or inter_token):
         return summary
     prefill = summary.prefill = prefill_indices(request)
@@ -159,6 +173,9 @@ def derive(
             summary.time_in_queue_s = request.queue_ns / per_second
         if request.candidates_proposed and request.candidates_accepted is not None:
             summary.acceptance_rate = request.candidates_accepted / request.candidates_proposed
+        step_energy = request.step_energy_mj
+        if step_energy is not None and len(step_energy) == len(latencies_ns):
+            summary.step_energies_j = [used / MJ_PER_J for used in step_energy]
     plain = False  # the inter-token latencies are every step's latency after the first
     if inter_token and error is None and tpot_s is not None:
         if (steps or spans) and len(tokens) == len(ends) and _plain_steps(request, prefill):

@@ -185,8 +185,14 @@ def _annotate(
         if summary.acceptance_rate is not None:
             attrs[A.GENERATE_ASSISTED_ACCEPTANCE_RATE] = summary.acceptance_rate
         steps_unseen = summary.steps_unseen
+        if summary.energy_j is not None:
+            attrs[A.GENERATE_ENERGY] = summary.energy_j
+            if summary.energy_per_output_token_j is not None:
+                attrs[A.GENERATE_ENERGY_PER_OUTPUT_TOKEN] = summary.energy_per_output_token_j
         if request.timed:
             attrs[A.GENERATE_SYNCHRONIZED] = request.synchronized
+            if request.clock is not None:
+                attrs[A.GENERATE_CLOCK] = request.clock
             if request.device is not None:
                 attrs[A.GENERATE_DEVICE] = request.device
             if request.unobserved is not None:
@@ -275,7 +281,8 @@ def _emit_steps(telemetry: Telemetry, span: Any, request: Request, summary: Summ
     step_requests = request.step_requests
     token_ids = request.step_token_ids or ()  # opt-in content, one list per step
     logprobs = request.step_logprobs or ()
-    extra = bool(step_requests is not None or token_ids or logprobs or outliers)
+    energies = summary.step_energies_j
+    extra = bool(step_requests is not None or token_ids or logprobs or outliers or energies is not None)
     INDEX, TOKEN, TOKENS, LATENCY = (
         A.GENERATE_STEP_INDEX,
         A.GENERATE_TOKEN_INDEX,
@@ -291,6 +298,8 @@ def _emit_steps(telemetry: Telemetry, span: Any, request: Request, summary: Summ
                 attributes[A.GENERATE_STEP_REQUESTS] = step_requests[index]
             if index in outliers:
                 attributes[A.GENERATE_STEP_OUTLIER] = True
+            if energies is not None:
+                attributes[A.GENERATE_STEP_ENERGY] = energies[index]
             if index < len(token_ids) and token_ids[index]:
                 attributes[A.GENERATE_STEP_TOKEN_IDS] = token_ids[index]
             if index < len(logprobs) and logprobs[index]:
@@ -417,6 +426,9 @@ def _record_metrics(instruments: Dict[str, Any], span: Any, request: Request, su
             instruments[A.METRIC_TIME_TO_FIRST_TOKEN].record(summary.time_to_first_token_s, base, context=context)
         if summary.time_per_output_token_s is not None:
             instruments[A.METRIC_TIME_PER_OUTPUT_TOKEN].record(summary.time_per_output_token_s, base, context=context)
+        energy = instruments.get(A.METRIC_ENERGY_PER_OUTPUT_TOKEN)
+        if summary.energy_per_output_token_j is not None and energy is not None:
+            energy.record(summary.energy_per_output_token_j, base, context=context)
     usage = instruments.get(A.METRIC_TOKEN_USAGE)
     if usage is not None:
         if request.input_tokens is not None:

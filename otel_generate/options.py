@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, TypeVar
+from typing import Any, Callable, Dict, Optional, TypeVar, Union
 
 from otel_generate import content as _content
 from otel_generate._faults import LOGGER_NAME
@@ -30,9 +30,16 @@ ENV_SLOW_FRACTION = "OTEL_GENERATE_SLOW_FRACTION"
 ENV_OUTLIER_FACTOR = "OTEL_GENERATE_STEP_OUTLIER_FACTOR"
 ENV_BACKGROUND_EMISSION = "OTEL_GENERATE_BACKGROUND_EMISSION"
 ENV_MEASURE_MEMORY = "OTEL_GENERATE_MEASURE_MEMORY"
+ENV_MEASURE_ENERGY = "OTEL_GENERATE_MEASURE_ENERGY"
 ENV_TENSOR_PARALLEL_SPANS = "OTEL_GENERATE_TENSOR_PARALLEL_SPANS"
 
 DEFAULT_MAX_STEP_SPANS = 1024
+#: ``synchronize`` values: ``True`` (also written ``"wait"``, the default) waits for the device before
+#: each step's clock read; ``"events"`` records a CUDA timing event per step instead and reads the
+#: device times after the request (no wait per step); ``False`` waits for nothing (launch times).
+SYNCHRONIZE_WAIT = "wait"
+SYNCHRONIZE_EVENTS = "events"
+SYNCHRONIZE_MODES = (True, False, SYNCHRONIZE_WAIT, SYNCHRONIZE_EVENTS)
 #: Step-span policies: every sampled request's steps, none, or only those of slow or failed requests.
 DEFAULT_SLOW_TIME_TO_FIRST_TOKEN_S = 1.0
 DEFAULT_SLOW_TIME_PER_OUTPUT_TOKEN_S = 0.1
@@ -55,6 +62,7 @@ NAMES = (
     "outlier_factor",
     "background_emission",
     "measure_memory",
+    "measure_energy",
     "capture_message_content",
     "capture_step_token_ids",
     "capture_step_logprobs",
@@ -73,7 +81,8 @@ class Options:
     tracer_provider: Any = None
     meter_provider: Any = None
     logger_provider: Any = None
-    synchronize: bool = True
+    #: ``True`` (wait; ``"wait"`` is read as ``True``), ``"events"`` or ``False``
+    synchronize: Union[bool, str] = True
     max_step_spans: int = DEFAULT_MAX_STEP_SPANS
     step_spans: str = STEP_SPANS_ALL
     slow_time_to_first_token: float = DEFAULT_SLOW_TIME_TO_FIRST_TOKEN_S
@@ -82,6 +91,7 @@ class Options:
     outlier_factor: float = DEFAULT_OUTLIER_FACTOR
     background_emission: bool = True
     measure_memory: bool = True
+    measure_energy: bool = True
     capture_message_content: Any = None
     capture_step_token_ids: bool = False
     capture_step_logprobs: bool = False
@@ -112,6 +122,33 @@ def _parse_bool(text: str) -> bool:
     if value in _FALSE:
         return False
     raise ValueError(text)
+
+
+def _parse_synchronize(text: str) -> Union[bool, str]:
+    """``true``/``false`` (and their synonyms), ``wait`` (``True``) or ``events``."""
+    value = text.lower()
+    if value == SYNCHRONIZE_WAIT:
+        return True
+    if value == SYNCHRONIZE_EVENTS:
+        return SYNCHRONIZE_EVENTS
+    return _parse_bool(value)
+
+
+def _synchronize_keyword(value: Any) -> Union[bool, str]:
+    """The ``synchronize`` keyword: ``True``, ``False``, ``"wait"`` (read as ``True``) or ``"events"``.
+
+    Raises:
+        TypeError: neither a bool nor a string.
+        ValueError: another string.
+    """
+    expected = "True, False, 'wait' or 'events'"
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"synchronize must be {expected}, got {type(value).__name__} {value!r}")
+    if value.lower() not in (SYNCHRONIZE_WAIT, SYNCHRONIZE_EVENTS):
+        raise ValueError(f"synchronize must be {expected}, got {value!r}")
+    return True if value.lower() == SYNCHRONIZE_WAIT else SYNCHRONIZE_EVENTS
 
 
 def _parse_count(text: str) -> int:
@@ -254,7 +291,11 @@ def resolve(kwargs: Dict[str, Any]) -> Options:
         tracer_provider=kwargs.get("tracer_provider"),
         meter_provider=kwargs.get("meter_provider"),
         logger_provider=kwargs.get("logger_provider"),
-        synchronize=pick("synchronize", bool, "a bool", None, "", ENV_SYNCHRONIZE, True, _parse_bool),
+        synchronize=(
+            _from_env(ENV_SYNCHRONIZE, True, _parse_synchronize, "true, false, wait or events")
+            if kwargs.get("synchronize") is None
+            else _synchronize_keyword(kwargs["synchronize"])
+        ),
         max_step_spans=pick(
             "max_step_spans",
             int,
@@ -318,6 +359,7 @@ def resolve(kwargs: Dict[str, Any]) -> Options:
             "background_emission", bool, "a bool", None, "", ENV_BACKGROUND_EMISSION, True, _parse_bool
         ),
         measure_memory=pick("measure_memory", bool, "a bool", None, "", ENV_MEASURE_MEMORY, True, _parse_bool),
+        measure_energy=pick("measure_energy", bool, "a bool", None, "", ENV_MEASURE_ENERGY, True, _parse_bool),
         capture_message_content=mode,
         capture_step_token_ids=pick(
             "capture_step_token_ids", bool, "a bool", None, "", _content.ENV_CAPTURE_STEP_TOKEN_IDS, False, _parse_bool

@@ -58,7 +58,8 @@ class Request:
         start_ns: when the request started (``generate()`` entered, or the request was submitted).
         start_wall_ns: the wall clock at ``start_ns`` (nanoseconds since the epoch).
         timed: whether steps were recorded for this request (sampled, or a profiler asked).
-        synchronized: whether each clock read waited for the device.
+        synchronized: whether the step times are of completed device work (each clock read
+            waited for the device, or they are device times: :attr:`clock`).
         device: ``generate.device``.
         parameters: request attributes known before generation (``gen_ai.request.*``,
             ``generate.strategy``, ``generate.batch_size``, ...), by attribute name.
@@ -97,6 +98,11 @@ class Request:
         metrics: whether the request is recorded in the metrics (False for a tensor-parallel
             rank other than 0 that emits its own span, :mod:`otel_generate.ranks`: rank 0 records
             the request).
+        clock: ``"device"`` when the step times were placed by CUDA timing events (step ``i``
+            ends at ``start_ns`` plus the device time from the request's first event to its
+            step event), ``None`` for the host clock.
+        energy_mj: millijoules the request used (:mod:`otel_generate.energy`), or ``None``.
+        step_energy_mj: millijoules per step, one per step, or ``None`` (not attributable).
     """
 
     model: str
@@ -135,6 +141,9 @@ class Request:
     step_token_ids: Optional[List[List[int]]] = None
     step_logprobs: Optional[List[List[float]]] = None
     metrics: bool = True
+    clock: Optional[str] = None
+    energy_mj: Optional[float] = None
+    step_energy_mj: Optional[List[float]] = None
 
     # --- placing times (the derived figures are otel_generate.derive's) ------------------------
     def wall_ns(self, monotonic_ns: int) -> int:

@@ -59,7 +59,8 @@ class Telemetry:
         tracer: the ``opentelemetry.trace.Tracer`` of this package.
         instruments: metric name -> histogram (empty: no metrics).
         options: the resolved :class:`~otel_generate.options.Options`.
-        synchronize: ``options.synchronize``: wait for the device before each clock read.
+        synchronize: ``options.synchronize``: ``True`` (wait for the device before each clock
+            read), ``"events"`` (CUDA timing events, no wait per step) or ``False``.
         max_step_spans: ``options.max_step_spans``: at most this many step spans per request.
         policy: the :class:`~otel_generate.policy.StepSpanPolicy` (from ``options``).
         slow: ``policy.slow``, the running distributions of the ``slow`` policy, or ``None``.
@@ -287,6 +288,12 @@ def create_instruments(meter_provider: Any = None) -> Dict[str, Any]:
             "Time between two output tokens of a sequence: each decode step's latency divided by the "
             "tokens it produced per sequence (one observation per decode step).",
             A.BUCKETS_INTER_TOKEN_LATENCY_S,
+        ),
+        A.METRIC_ENERGY_PER_OUTPUT_TOKEN: histogram(
+            A.METRIC_ENERGY_PER_OUTPUT_TOKEN,
+            "J",
+            "Energy the request used (NVML's energy counter of its GPU) divided by its output tokens, per request.",
+            A.BUCKETS_ENERGY_PER_OUTPUT_TOKEN_J,
         ),
     }
     instruments[A.METRIC_EMITTER_DROPPED] = meter.create_counter(

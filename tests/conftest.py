@@ -4,16 +4,31 @@ tiny-model fixtures are in tests/helpers/model_fixtures.py, which tests/integrat
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 import otel_generate.emit
+import otel_generate.energy
 import otel_generate.instrumentor
 import otel_generate.options
 from otel_generate import GenerateInstrumentor
 from tests.helpers.instrumenting import DrainingMetricReader, DrainingSpanExporter, drain_emitter  # noqa: F401
+
+
+@pytest.fixture(autouse=True)
+def no_real_nvml(request, monkeypatch):
+    """No test but a ``gpu`` one reads the machine's own NVML: a test that shows the instrumentation a
+    fake ``cuda:0`` would otherwise reach it (where ``nvidia-ml-py`` is installed), whatever this
+    machine has. Tests of energy install a fake NVML (tests/helpers/fake_cuda.py)."""
+    if request.node.get_closest_marker("gpu") is not None:
+        return
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError: NVML not installed
+    monkeypatch.setattr(otel_generate.energy, "_nvml", otel_generate.energy._UNTRIED)
+    monkeypatch.setattr(otel_generate.energy, "_meters", {})
 
 
 @pytest.fixture

@@ -5,7 +5,9 @@ all, no lock, no OpenTelemetry, no transformers (outputs are read by their attri
 
 Which batch steps a request took part in (``prefill`` chunks with no token, the step that produced
 its first token, then one ``decode`` per token), the requests sharing each step, the queue time,
-tokens, finish reasons and a streaming request's time to first chunk.
+tokens, finish reasons and a streaming request's time to first chunk; its energy, the sum of its
+shares of those steps (each step's energy shared among its requests in proportion to the tokens
+each computed in it), when every one of them is known.
 """
 
 from __future__ import annotations
@@ -34,12 +36,16 @@ def finish_reason(output: Any, eos: frozenset) -> str:
 
 
 def _union(by_number: Dict[int, BatchStep], step: BatchStep) -> None:
-    """Add ``step`` to the steps by number; a step shared by several sequences gave a token if any got one."""
+    """Add ``step`` to the steps by number; a step shared by several sequences gave a token if any
+    got one, and its energy is the sum of their shares (unknown if one is)."""
     known = by_number.get(step.number)
     if known is None:
         by_number[step.number] = step
-    elif step.tokens > known.tokens:
-        by_number[step.number] = known._replace(tokens=step.tokens)
+        return
+    energy_mj = None
+    if known.energy_mj is not None and step.energy_mj is not None:
+        energy_mj = known.energy_mj + step.energy_mj
+    by_number[step.number] = known._replace(tokens=max(known.tokens, step.tokens), energy_mj=energy_mj)
 
 
 def derive(record: CBRecord) -> Outcome:
@@ -140,6 +146,13 @@ def request_of(
     if record.timed:
         fill_steps(request, outcome.steps, record.start_ns)
         request.incomplete = not outcome.complete
+        steps = outcome.steps
+        if steps and all(step.device for step in steps):
+            request.clock = A.CLOCK_DEVICE  # every step's bounds are device time
+        if steps and all(step.energy_mj is not None for step in steps):
+            # its shares of the batch steps it took part in: known for every one, or not given
+            request.step_energy_mj = [step.energy_mj for step in steps]
+            request.energy_mj = sum(request.step_energy_mj)
     request.input_tokens = outcome.input_tokens
     if outcome.per_sequence:
         request.output_tokens_per_sequence = list(outcome.per_sequence)

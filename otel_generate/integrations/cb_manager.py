@@ -18,7 +18,7 @@ import time
 import weakref
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from otel_generate import clock, emit
+from otel_generate import clock, emit, energy
 from otel_generate._faults import Fault, log_fault_once
 from otel_generate.integrations import cb_derive
 from otel_generate.integrations.cb_records import (
@@ -32,6 +32,8 @@ from otel_generate.integrations.cb_records import (
     Outcome,
     base_id,
 )
+from otel_generate.integrations.loop_state import device_events
+from otel_generate.options import SYNCHRONIZE_EVENTS
 from otel_generate.request import Request
 from otel_generate.telemetry import Telemetry
 
@@ -47,6 +49,48 @@ OFFSET_REFRESH_NS = 10 * clock.NS_PER_S
 STATE_LOCK = threading.Lock()
 #: every manager state alive (for ``uninstrument()``: the requests still in flight)
 _LIVE_STATES: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+class StepMarks:
+    """What the scheduler thread records at a batch step's boundary besides the clock: a CUDA
+    timing event on the compute stream (``synchronize="events"`` on one CUDA device) and/or the
+    energy counter (NVML). Never waits for the device; never raises (a failing event record is
+    logged once and events stop; a failing energy read is the meter's)."""
+
+    __slots__ = ("events", "meter")
+
+    def __init__(self, events: Optional[clock.DeviceEvents], meter: Optional[energy.EnergyMeter]) -> None:
+        self.events = events
+        self.meter = meter
+
+    def take(self, stream: Any = None) -> Tuple[Any, Optional[int]]:
+        """``(event or None, millijoules or None)`` now; ``stream``: the compute stream, if any."""
+        event = None
+        events = self.events
+        if events is not None:
+            try:
+                event = events.mark(stream)
+            except Exception as fault:
+                self.events = None
+                log_fault_once(Fault.DEVICE_EVENTS, fault)
+        meter = self.meter
+        return event, (meter.read() if meter is not None else None)
+
+
+def step_marks_for(telemetry: Telemetry, model: Any) -> Optional[StepMarks]:
+    """The manager's :class:`StepMarks`, or ``None`` (neither events nor energy: the hooks then
+    record only the clock)."""
+    options = getattr(telemetry, "options", None)
+    if options is None or (options.synchronize != SYNCHRONIZE_EVENTS and not options.measure_energy):
+        return None
+    try:
+        devices = list(clock.devices_of(model))
+    except Exception:  # no device to tell: the clock alone
+        return None
+    on_device = any(clock.device_name(device) not in ("cpu", "meta") for device in devices)
+    events = device_events(devices, on_device) if options.synchronize == SYNCHRONIZE_EVENTS else None
+    meter = energy.meter_for(devices) if on_device and options.measure_energy else None
+    return StepMarks(events, meter) if events is not None or meter is not None else None
 
 
 class ManagerState:
@@ -75,8 +119,11 @@ class ManagerState:
         self.timed = 0
         self.collect = False  # read by the scheduler thread: append batch steps
         self.step_number = 0
+        #: the marks of each batch step's boundaries (events, energy), or ``None``
+        self.marks: Optional[StepMarks] = step_marks_for(telemetry, manager.model)
         # scheduler-thread bookkeeping
         self.last_t1: Optional[int] = None
+        self.last_mark: Any = None  # the marks at the last batch step's end (the next one's start)
         self.body = 0  # number of the loop iteration running (0: none)
         self.bodies = 0  # loop iterations started
         self.done = 0  # number of the last loop iteration that ended
@@ -127,9 +174,32 @@ class ManagerState:
         while self.done < body and self._scheduler_alive() and time.monotonic() < deadline:
             time.sleep(0.0002)
 
+    def wait_for_events(self, timeout_s: float = BODY_WAIT_S) -> None:
+        """``synchronize="events"``: poll (``Event.query()``, no blocking wait) until the end event of
+        the last batch step logged has completed, at most ``timeout_s``; the events of one stream
+        complete in order, so every earlier step's have too. Runs off the scheduler thread."""
+        marks = self.marks
+        if marks is None or marks.events is None:
+            return
+        try:
+            last = self.steps[-1]
+        except IndexError:
+            return
+        entry_marks = last.marks if type(last) is BatchLog else None
+        event = entry_marks[1][0] if entry_marks is not None else None
+        if event is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not event.query() and time.monotonic() < deadline:
+                time.sleep(0.0002)
+        except Exception as fault:  # read again (and given up) when the steps are taken in
+            log_fault_once(Fault.DEVICE_EVENTS, fault)
+
     def _job(self) -> None:
         self.scheduled = False
         self.wait_for_body(self.last_delivery_body)
+        self.wait_for_events()
         for record, request in self.process():
             emit.finish(self.telemetry, record.span, request, record.profilers, yield_every=YIELD_EVERY)
 
@@ -191,10 +261,21 @@ class ManagerState:
             self.step_number += 1
             batch = entry.batch
             sharing = len(batch)
-            for future in batch:
+            start_ns, device, shares = entry.start_ns, False, None
+            if entry.marks is not None:
+                start_ns, device, shares = _resolve_marks(entry)
+            for position, future in enumerate(batch):
                 rid = future.state.request_id
                 record = records.get(base_id(rid))
-                step = BatchStep(number, entry.start_ns, entry.end_ns, sharing, 1 if future.has_new_token else 0)
+                step = BatchStep(
+                    number,
+                    start_ns,
+                    entry.end_ns,
+                    sharing,
+                    1 if future.has_new_token else 0,
+                    shares[position] if shares is not None else None,
+                    device,
+                )
                 if record is None:
                     if self.submitting:
                         self.orphan_steps.setdefault(rid, []).append(step)
@@ -311,6 +392,27 @@ class ManagerState:
             self.collect = bool(self.submitting or self.timed)
 
 
+def _resolve_marks(entry: BatchLog) -> Tuple[int, bool, Optional[List[float]]]:
+    """A batch step's marks, off the scheduler thread: ``(start_ns, device, shares)``. With both
+    events completed (``query()``: never a blocking wait), the step starts its device time
+    (``elapsed_time`` of its two events) before its end, ``device`` true; else its host start.
+    With two energy readings in which the counter advanced, each request of the batch gets a share
+    in proportion to the tokens it computed in the step (``query_length``), else ``None``."""
+    (start_event, start_mj), (end_event, end_mj) = entry.marks
+    start_ns, device = entry.start_ns, False
+    if start_event is not None and end_event is not None:
+        try:
+            if end_event.query():
+                start_ns, device = entry.end_ns - clock.elapsed_ns(start_event, end_event), True
+        except Exception as fault:  # the step keeps its host bounds
+            log_fault_once(Fault.DEVICE_EVENTS, fault)
+    step_mj = energy.request_energy_mj(start_mj, end_mj)
+    shares = None
+    if step_mj is not None:
+        shares = energy.shares_mj(step_mj, [getattr(future, "query_length", None) for future in entry.batch])
+    return start_ns, device, shares
+
+
 def state_of(manager: Any, telemetry: Telemetry) -> ManagerState:
     """The manager's state for this instrumentation (created on its first request)."""
     state = manager.__dict__.get(STATE_ATTR)
@@ -382,6 +484,7 @@ class PagedGroup:
         """Every row, in input order, with its outcome (``None``: it never finished)."""
         for state in self.states:
             state.wait_for_body(state.last_delivery_body)
+            state.wait_for_events()
             leftovers = state.process()
             emitter = state.telemetry.emitter
             for record, request in leftovers:  # another caller's requests: not this thread's work

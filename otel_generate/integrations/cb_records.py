@@ -45,11 +45,20 @@ new_entry = tuple.__new__
 
 class BatchLog(NamedTuple):
     """A batch step: from ``start_ns`` to ``end_ns``, the ``batch`` of transformers' request
-    futures it ran (each has ``state.request_id`` and ``has_new_token``)."""
+    futures it ran (each has ``state.request_id``, ``has_new_token`` and, in the transformers
+    releases that carry it (5.24 and 5.25 do), ``query_length``: the tokens it computed in the
+    step). ``marks``: ``(start, end)``, each a :data:`Mark` taken at that boundary
+    (``synchronize="events"``, energy), else ``None``."""
 
     start_ns: int
     end_ns: int
     batch: Any
+    marks: Any = None
+
+
+#: What the scheduler thread records at a batch step's boundary besides the clock: ``(CUDA timing
+#: event or None, energy counter in millijoules or None)``.
+Mark = Tuple[Any, Optional[int]]
 
 
 class AsyncBatchLog(NamedTuple):
@@ -84,13 +93,18 @@ class Cancel(NamedTuple):
 
 class BatchStep(NamedTuple):
     """A batch step as one request saw it: the manager's step ``number``, its bounds, how many
-    ``requests`` shared it, and ``tokens``: 1 if it gave the request a token, 0 for a prefill chunk."""
+    ``requests`` shared it, and ``tokens``: 1 if it gave the request a token, 0 for a prefill chunk.
+    ``energy_mj``: the request's share of the step's energy (in proportion to the tokens it
+    computed in it), or ``None``; ``device``: its bounds are device time (CUDA events: it starts
+    the step's device time before its end)."""
 
     number: int
     start_ns: int
     end_ns: int
     requests: int
     tokens: int
+    energy_mj: Optional[float] = None
+    device: bool = False
 
 
 class Finished(NamedTuple):

@@ -18,7 +18,11 @@ derive everything else later, off the scheduler thread:
   :class:`~.cb_records.AsyncBatchLog` in async mode). No device synchronization: transformers has
   already waited for the device before the body returns (sync mode: the compute stream's
   ``synchronize()`` and the ``.tolist()`` of the new tokens; async mode: the device-to-host
-  event of the batch it updates).
+  event of the batch it updates). In sync mode, with ``synchronize="events"`` on one CUDA device
+  or with NVML's energy counter (:mod:`otel_generate.energy`), each batch step's boundaries also
+  record a CUDA timing event on the compute stream and/or read the counter (a
+  :class:`~.cb_manager.StepMarks`, ``BatchLog.marks``); the events are read off this thread,
+  once they have completed (``Event.query()``), never waited for here.
 * ``OutputRouter.deliver`` / ``deliver_batch`` (the scheduler thread, when outputs are handed
   over): one append of a :class:`~.cb_records.Delivery` (clock, outputs, loop iteration), and the
   background emitter is woken (at most one job pending per manager).
@@ -238,28 +242,34 @@ def make_generation_loop_body(original: Callable, telemetry: Telemetry) -> Calla
             return original(self, *args, **kwargs)
         before = self.current_batch
         start = state.last_t1
+        start_mark = state.last_mark  # (the previous step's end, when this one follows it)
         if start is None:
             start = clock.monotonic_ns()
+            marks = state.marks
+            # (whether or not a timed request is in flight yet: one may be scheduled in this body)
+            if marks is not None:
+                start_mark = marks.take(_compute_stream(self, args, kwargs))
         body = state.bodies + 1
         state.bodies = body
         state.body = body
         try:
             result = original(self, *args, **kwargs)
         except BaseException:
-            state.last_t1 = None
+            state.last_t1 = state.last_mark = None
             state.body = 0
             state.done = body
             raise
         if self.current_batch != before:
             end = clock.monotonic_ns()
             state.last_t1 = end
+            state.last_mark = None
             if state.collect:
                 try:
-                    _log_step(state, self, args, kwargs, start, end)
+                    _log_step(state, self, args, kwargs, start, end, start_mark)
                 except Exception as fault:
                     log_fault_once(Fault.CONTINUOUS_BATCHING_STEP, fault)
         else:
-            state.last_t1 = None
+            state.last_t1 = state.last_mark = None
         state.body = 0
         state.done = body
         if state.wake:
@@ -270,12 +280,26 @@ def make_generation_loop_body(original: Callable, telemetry: Telemetry) -> Calla
     return _generation_loop_body
 
 
-def _log_step(state: ManagerState, manager: Any, args: tuple, kwargs: dict, start: int, end: int) -> None:
+def _compute_stream(manager: Any, args: tuple, kwargs: dict) -> Any:
+    """The stream continuous batching computes on (``None``: the device's current stream)."""
+    processor = args[0] if args else kwargs.get("batch_processor", getattr(manager, "batch_processor", None))
+    return getattr(getattr(processor, "inputs_and_outputs", None), "compute_stream", None)
+
+
+def _log_step(
+    state: ManagerState, manager: Any, args: tuple, kwargs: dict, start: int, end: int, start_mark: Any = None
+) -> None:
     processor = args[0] if args else kwargs.get("batch_processor", manager.batch_processor)
     io = processor.inputs_and_outputs
     batch = getattr(io, "requests_in_batch", None)
     if batch is not None:  # sync mode: the batch this iteration ran and updated
-        state.steps.append(new_entry(BatchLog, (start, end, batch)))
+        marks = state.marks
+        entry_marks = None
+        if marks is not None:  # (transformers has waited for the device: the end mark follows the step's work)
+            end_mark = state.last_mark = marks.take(getattr(io, "compute_stream", None))
+            if start_mark is not None:
+                entry_marks = (start_mark, end_mark)
+        state.steps.append(new_entry(BatchLog, (start, end, batch, entry_marks)))
         return
     # async mode: this iteration launched one batch and updated the previous one
     bootstrapping = args[1] if len(args) > 1 else kwargs.get("bootstrapping", False)

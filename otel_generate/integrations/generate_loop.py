@@ -62,7 +62,8 @@ UNINSTRUMENT_SETUP_WAIT_S = 2.0
 
 
 def finish(call: Call, result: Any = None, exc: Optional[BaseException] = None) -> Any:
-    """End the request: sync, read the clock, account tokens, then emit; never raises.
+    """End the request: sync (or wait for its last device event), read the clock, account tokens,
+    then emit; never raises.
 
     Returns ``result`` (with ``token_latencies`` attached when asked for).
     """
@@ -72,12 +73,21 @@ def finish(call: Call, result: Any = None, exc: Optional[BaseException] = None) 
     setup_done(call)
     try:
         call.synchronize()
+        events = call.events is not None
+        if events:  # synchronize="events": the wait on the request's last event
+            call.wait_for_last_event()
         request.end_ns = clock.monotonic_ns()
+        if call.energy is not None:
+            call.read_energy_end()
         request.memory_peak_bytes = call.memory(figures.peak_memory)
         for loop in call.loops:
             if not loop.closed and loop.observed():  # an implicit loop ends with its call
                 loop.size_cache(result if loop.model is call.model else None)
+        if events:  # the steps' device times, before they are accounted
+            call.resolve_device_times()
         loops = account_call(call, result, exc)
+        if call.energy is not None:
+            call.attribute_energy(loops)
         if call.content is not None:  # opt-in content capture (otel_generate.content)
             call.content.fill(call, loops, result)
     except Exception as fault:

@@ -22,14 +22,15 @@ Other producers attach small objects instead of being called by name:
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from otel_generate import attributes as A
-from otel_generate import clock, emit, figures
-from otel_generate._faults import Fault, log_fault_once
+from otel_generate import clock, emit, energy, figures
+from otel_generate._faults import Fault, log_fault_once, note_once
 from otel_generate.integrations._routing import (
     ONE_TOKEN_STEPS,
     ROW_ALIGNED,
@@ -42,6 +43,8 @@ from otel_generate.integrations._routing import (
     response_id,
 )
 from otel_generate.integrations.streamer import _TimedStreamer
+from otel_generate.options import SYNCHRONIZE_EVENTS
+from otel_generate.policy import STEP_SPANS_NONE
 from otel_generate.request import Request
 from otel_generate.telemetry import Telemetry
 from otel_generate.tokens import step_tokens
@@ -121,6 +124,16 @@ class Call(CallFrame):
             custom_generate if custom_generate is not None else kwargs.get("custom_generate")
         )
         self.sync: Optional[Callable[[], None]] = None
+        #: ``synchronize="events"`` on one CUDA device: the events of the request's boundaries (its
+        #: start, each loop's start and end; the steps' are the recorders')
+        self.events: Optional[clock.DeviceEvents] = None
+        self.start_event: Any = None
+        #: NVML's energy counter of the model's CUDA device(s) (``measure_energy``), its readings at
+        #: the request's start and end, and whether each step boundary reads it too (step spans on)
+        self.energy: Optional[energy.EnergyMeter] = None
+        self.energy_start_mj: Optional[int] = None
+        self.energy_end_mj: Optional[int] = None
+        self.step_energy = False
         self.streamer: Optional[_TimedStreamer] = None
         self.window: Optional[Window] = None  # the current Whisper window (see .whisper)
         self.content: Optional[ContentCapture] = None  # attached when content is captured
@@ -136,18 +149,40 @@ class Call(CallFrame):
             # request, sampled or not, whenever a meter provider collects them. Otherwise generate()
             # runs exactly as uninstrumented.
             self.timed = self.detailed or telemetry.metrics_live()
-            synchronized = bool(telemetry.synchronize)
+            mode = telemetry.synchronize
+            synchronized = bool(mode)
             device = None
+            start_wait = None  # events with energy: one wait before the start reading (none per step)
             if self.timed:
                 devices = list(clock.devices_of(model))
                 device = clock.device_name(devices[-1]) if devices else None
                 # (one CPU device: nothing to wait for, as synchronizer_for would find)
-                if telemetry.synchronize and not (device == "cpu" and len(devices) == 1):
+                on_device = not (device == "cpu" and len(devices) == 1)
+                if mode == SYNCHRONIZE_EVENTS:
+                    self.events = device_events(devices, on_device)
+                # (the readings must follow the device's work: none with synchronize=False)
+                if on_device and mode and telemetry.options.measure_energy:
+                    self.energy = energy.meter_for(devices)
+                if mode and on_device:
                     try:
-                        self.sync = clock.synchronizer_for(devices)
+                        if self.events is None:
+                            self.sync = clock.synchronizer_for(devices)
+                        elif self.energy is not None:
+                            start_wait = clock.synchronizer_for(devices)
                     except ValueError as fault:  # a device type with no synchronize we know of
                         synchronized = False
                         log_fault_once(Fault.DEVICE_SYNCHRONIZE, fault)
+                if self.energy is not None:
+                    policy = telemetry.policy
+                    # each step boundary reads the counter where step spans may be built and the
+                    # reading follows the device's wait (not in events mode: the host runs ahead)
+                    self.step_energy = (
+                        self.events is None
+                        and self.sync is not None
+                        and self.span.is_recording()
+                        and policy.name != STEP_SPANS_NONE
+                        and policy.max_step_spans > 0
+                    )
             self.request = Request(
                 model=self.name, start_ns=0, start_wall_ns=0, timed=self.timed, synchronized=synchronized, device=device
             )
@@ -156,9 +191,17 @@ class Call(CallFrame):
                 figures.cuda_device(device) if self.detailed and telemetry.options.measure_memory else None
             )
             self.synchronize()
+            if start_wait is not None:
+                self._wait_once(start_wait)
             self.memory(figures.reset_peak_memory)
+            if self.events is not None:
+                self.start_event = self.mark()
+                if self.start_event is None:  # the events failed: wait per step instead (logged once)
+                    self._fall_back_to_waiting(devices)
             self.request.start_ns = clock.monotonic_ns()
             self.request.start_wall_ns = clock.wall_ns()
+            if self.energy is not None:
+                self.energy_start_mj = self.energy.read()
         except BaseException:
             # The caller runs generate() uninstrumented; the started span says why it has no data.
             if self.span.is_recording():
@@ -238,6 +281,149 @@ class Call(CallFrame):
             self.request.incomplete = True
             log_fault_once(Fault.DEVICE_SYNCHRONIZE, fault)
 
+    # --- device events (synchronize="events") and energy ----------------------------------------
+    def mark(self) -> Any:
+        """Record a CUDA timing event now (``synchronize="events"``), or ``None``: no events, or the
+        record failed (logged once; the request's times stay on the host clock)."""
+        events = self.events
+        if events is None:
+            return None
+        try:
+            return events.mark()
+        except Exception as fault:
+            self._events_failed(fault)
+            return None
+
+    def _events_failed(self, fault: BaseException) -> None:
+        log_fault_once(Fault.DEVICE_EVENTS, fault)
+        self.events = None
+        if self.start_event is not None:  # events were recorded: the steps' host times are launch times
+            self.request.synchronized = False
+            self.request.incomplete = True
+
+    def _fall_back_to_waiting(self, devices: List[Any]) -> None:
+        try:
+            self.sync = clock.synchronizer_for(devices)
+        except ValueError:
+            self.request.synchronized = False
+        self.synchronize()
+
+    def _wait_once(self, wait: Callable[[], None]) -> None:
+        try:
+            wait()
+        except Exception as fault:
+            log_fault_once(Fault.DEVICE_SYNCHRONIZE, fault)
+
+    def last_event(self) -> Any:
+        """The event recorded last in this request (loops run one after the other): the last loop's
+        end event, else its last step's, else its start's; the request's start event without loops."""
+        for loop in reversed(self.loops):
+            if loop.end_event is not None:
+                return loop.end_event
+            recorder = loop.recorder
+            step_events = recorder.events if recorder is not None else None
+            if step_events:
+                return step_events[-1]
+            if loop.start_event is not None:
+                return loop.start_event
+        return self.start_event
+
+    def wait_for_last_event(self) -> None:
+        """``synchronize="events"``: wait for the request's last event, the mode's only wait (besides
+        one before the start's energy reading, when energy is read): ``generate()`` returns tensors
+        its caller reads, so that work completes anyway."""
+        if self.events is None or self.start_event is None:
+            return
+        last = self.last_event()
+        if last is None:
+            return
+        try:
+            last.synchronize()
+        except Exception as fault:
+            self._events_failed(fault)
+
+    def resolve_device_times(self) -> None:
+        """``synchronize="events"``, after :meth:`wait_for_last_event`: every loop's bounds and
+        every step's end become device times placed on the request's time line (the request's
+        start event at ``request.start_ns``; step ``i`` of a loop ends ``elapsed(event i-1, event
+        i)`` after step ``i - 1``, its first step ``elapsed(loop start event, event 0)`` after the
+        loop's start), before the steps are accounted. All or nothing: a read that fails leaves
+        the host times, the request marked unsynchronized and incomplete (logged once)."""
+        base = self.start_event
+        if self.events is None or base is None:
+            return
+        request = self.request
+        base_ns = request.start_ns
+        resolved = []
+        try:
+            for loop in self.loops:
+                if loop.paged is not None:
+                    return  # its steps are continuous batching's, on their own clock
+                start_event = loop.start_event
+                if start_event is None:
+                    raise RuntimeError("a decoding loop has no start event")
+                start_ns = base_ns if start_event is base else base_ns + clock.elapsed_ns(base, start_event)
+                ends = None
+                recorder = loop.recorder
+                if recorder is not None and recorder.events is not None:
+                    steps = len(recorder.times_ns)
+                    if len(recorder.events) < steps:
+                        raise RuntimeError(f"{steps} steps timed, {len(recorder.events)} events recorded")
+                    ends, previous, end = [], start_event, start_ns
+                    for event in recorder.events[:steps]:
+                        end += clock.elapsed_ns(previous, event)
+                        ends.append(end)
+                        previous = event
+                end_ns = None if loop.end_event is None else base_ns + clock.elapsed_ns(base, loop.end_event)
+                resolved.append((loop, start_ns, ends, end_ns))
+        except Exception as fault:
+            self._events_failed(fault)
+            return
+        for loop, start_ns, ends, end_ns in resolved:
+            loop.start_ns = start_ns
+            if ends is not None:
+                loop.recorder.times_ns[:] = ends
+            if end_ns is not None:
+                loop.end_ns = end_ns
+        request.clock = A.CLOCK_DEVICE
+
+    def read_energy_end(self) -> None:
+        """The energy counter when the request ends (after the device was waited for)."""
+        if self.energy is not None:
+            self.energy_end_mj = self.energy.read()
+
+    def attribute_energy(self, loops: List["Loop"]) -> None:
+        """``request.energy_mj`` from the start and end readings; ``request.step_energy_mj`` from the
+        step readings of a single loop whose steps are exactly the request's, when the counter
+        advanced within every step (:mod:`otel_generate.energy`). Neither is guessed."""
+        if self.energy is None:
+            return
+        request = self.request
+        if not request.synchronized:  # a wait or an event failed: the readings need not follow the work
+            return
+        request.energy_mj = energy.request_energy_mj(self.energy_start_mj, self.energy_end_mj)
+        if request.energy_mj is None or not self.step_energy or len(loops) != 1:
+            return
+        recorder = loops[0].recorder
+        steps = len(request.step_ends_ns)
+        readings = recorder.energies if recorder is not None else None
+        if loops[0].paged is None and readings is not None and steps and len(readings) >= steps:
+            request.step_energy_mj = energy.step_energies_mj(self.energy_start_mj, readings[:steps])
+
+    def step_clock(self) -> Tuple[Callable[[], int], Optional[List[Any]], Optional[List[Any]]]:
+        """The clock a new loop's step recorder reads at each step boundary, with the lists it
+        fills besides the times: the step events (``synchronize="events"``: each read records an
+        event first) and the energy readings (each read then reads the counter), else ``None``."""
+        read = clock.monotonic_ns
+        step_events = readings = None
+        if self.events is not None:
+            step_events = []
+            read = self.events.step_clock(step_events, read)
+        if self.step_energy and self.energy is not None:
+            readings = []
+            read = _reading_clock(read, self.energy.read, readings.append)
+        return read, step_events, readings
+
     def release(self) -> None:
         """Let go of the loops: their recorders call back into this call, so the call (prompt
         tensors, the caller's kwargs) is freed when generate() returns, not at a later gc."""
@@ -260,6 +446,7 @@ class Loop(LoopFrame):
         "output_tokens", "paged", "parameters", "per_sequence", "prefill_steps", "prompt_length",
         "queue_ns", "recorder", "result", "start_ns", "step_ends_ns", "step_logprobs", "step_requests",
         "step_starts_ns", "step_tokens", "temperature", "uninstrumented", "unobserved", "window",
+        "start_event", "end_event",
         "__weakref__",  # (a loop may be referred to weakly, as a dictionary-backed object may)
     )  # fmt: skip
 
@@ -268,6 +455,11 @@ class Loop(LoopFrame):
         self.model = model
         self.kwargs = kwargs
         self.implicit = implicit
+        # (synchronize="events": the loop's start event; the request's own when it starts with the request)
+        self.start_event: Any = None
+        if getattr(call, "events", None) is not None:
+            self.start_event = call.mark() if start_ns is None else call.start_event
+        self.end_event: Any = None
         self.start_ns = clock.monotonic_ns() if start_ns is None else start_ns
         self.end_ns: Optional[int] = None
         self.closed = False
@@ -353,9 +545,10 @@ class Loop(LoopFrame):
             self.generation_config = generation_config
         strategy = self.known_strategy = self.strategy()  # (the config is final: generate() is decoding next)
         call = self.call
+        step_clock, step_events, readings = call.step_clock()
         self.recorder = hook.StepRecorder(
             call.sync,
-            clock.monotonic_ns,
+            step_clock,
             self.start_ns,
             self.prompt_length if self.prompt_length is not None else 0,
             call.on_fault,
@@ -370,6 +563,8 @@ class Loop(LoopFrame):
                 else 0
             ),
             one_token_steps=self._runs_own_sample_loop(strategy),
+            events=step_events,
+            energies=readings,
         )
         self.criteria = hook.RecordingCriteriaList(criteria, self.recorder)
         return self.criteria
@@ -397,6 +592,7 @@ class Loop(LoopFrame):
         self.size_cache(result)
         if read_clock:
             self.call.synchronize()
+            self.end_event = self.call.mark()
             self.end_ns = clock.monotonic_ns()
 
     def size_cache(self, result: Any = None) -> None:
@@ -416,6 +612,44 @@ class Loop(LoopFrame):
 #: the first loop that needs them (not when this module is: it loads before transformers may be)
 _step_hook: Any = None
 _generation_mixin: Any = None
+
+
+def device_events(devices: List[Any], on_device: bool) -> Optional[clock.DeviceEvents]:
+    """``synchronize="events"``: the request's :class:`~otel_generate.clock.DeviceEvents`, or ``None``
+    where the mode falls back to waiting (CPU: nothing changes; MPS, XPU, several devices, no CUDA
+    events), said once per reason on the logger ``otel_generate``."""
+    if not on_device:
+        note_once(
+            "events on cpu",
+            "otel_generate: synchronize='events' times CUDA devices; a model on the CPU is timed as before "
+            "(its work has completed when each step returns)",
+        )
+        return None
+    events, reason, error = clock.device_events_for(devices)
+    if events is None:
+        detail = f" ({type(error).__name__}: {error})" if error is not None else ""
+        note_once(
+            f"events {reason}",
+            "otel_generate: synchronize='events' needs one CUDA device with timing events (%s%s); steps are timed "
+            "as with synchronize='wait'",
+            reason,
+            detail,
+            level=logging.WARNING if reason == clock.NO_EVENTS_UNAVAILABLE else logging.INFO,
+        )
+    return events
+
+
+def _reading_clock(
+    read: Callable[[], int], read_energy: Callable[[], Optional[int]], append: Callable[[Any], None]
+) -> Callable[[], int]:
+    """``read``, then one energy reading appended (a step boundary that reads the counter)."""
+
+    def clock_and_energy() -> int:
+        now = read()
+        append(read_energy())
+        return now
+
+    return clock_and_energy
 
 
 def _tokens_so_far(loop: Loop) -> List[int]:

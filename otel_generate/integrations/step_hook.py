@@ -7,7 +7,11 @@ new token(s) were appended (``GenerationMixin._sample``, ``_beam_search``,
 replaced by a :class:`RecordingCriteriaList` (same criteria, same result) whose call, after the
 criteria ran, hands ``input_ids`` and the per-row ``is_done`` tensor to a :class:`StepRecorder`:
 it waits for the device (when a synchronize function is given), reads the monotonic clock and
-appends (the ``is_done`` tensor too where a row may stop before the others). Where a step is
+appends (the ``is_done`` tensor too where a row may stop before the others). With
+``synchronize="events"`` nothing waits: the clock it is given records a CUDA timing event on the
+device's stream and appends it before reading the host clock (an event record and a list append;
+:meth:`otel_generate.clock.DeviceEvents.step_clock`), and the events become device times after
+the request. Where a step is
 nothing but the clock read and the appends (no device to wait for, no callback), the list
 appends them itself; where, in
 addition, the loop is transformers' own greedy or sampling loop (``one_token_steps``: it appends
@@ -75,6 +79,11 @@ class StepRecorder:
             recorder stops recording (what it holds stays valid) and generation goes on.
         implied_lengths: the lengths are not read but implied (``one_token_steps`` and the plain
             path taken: :meth:`plain_appends`).
+        events: ``synchronize="events"``: the CUDA timing event each step's clock read recorded
+            (the ``clock`` appends them: :meth:`otel_generate.clock.DeviceEvents.step_clock`), else
+            ``None``. Resolved into device times after the request, never read per step.
+        energies: the energy counter read after each step's clock read (the ``clock`` appends it),
+            else ``None``.
     """
 
     def __init__(
@@ -89,8 +98,12 @@ class StepRecorder:
         keep_done: bool = False,
         token_offset: int = 0,
         one_token_steps: bool = False,
+        events: Optional[List[Any]] = None,
+        energies: Optional[List[Any]] = None,
     ) -> None:
         self.times_ns: List[int] = []
+        self.events = events
+        self.energies = energies
         self.lengths: List[int] = []
         self.done: List = []
         self.fault: Optional[BaseException] = None

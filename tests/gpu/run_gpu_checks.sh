@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# GPU checks for the accelerator machine (device synchronization and step timing on CUDA). From the repository root:
+# GPU checks for the accelerator machine (device synchronization, step timing and energy on CUDA). From the
+# repository root:
 #
 #   tests/gpu/run_gpu_checks.sh            # needs CUDA; fails if torch cannot see a GPU
 #   tests/gpu/run_gpu_checks.sh --dry-run  # no GPU: the same steps on CPU with a tiny config
 #
 # 1. the tests marked `gpu` (tests/gpu/test_gpu.py): per-step CUDA synchronization, step latencies
 #    vs CUDA events of the same steps (5 %), sum of step latencies vs the request span (2 %);
+#    synchronize="events": device-time step latencies vs events with a synchronize per step (2 % per
+#    step from step 1, 1 % in sum), no synchronize without the reference; energy per output token
+#    vs NVML read around the whole call (5 %) at batch 1 and 8, with generate() (synchronize=True
+#    and "events") and generate_batch (needs nvidia-ml-py in the environment: the energy extra);
 # 2. `otel-generate bench --compare --device cuda` on a random-weight Llama-architecture model of
 #    about 1.1B parameters in bfloat16 (config in tests/gpu/test_gpu.py, nothing downloaded);
 # 3. the same overhead comparison on the default tiny GPT-2 model on CUDA;
 # 4. benchmarks/gpu_sync_split.py: that model's per-step cost split into the synchronize and the rest
-#    (instrumented with synchronize on and off, against plain, interleaved).
+#    (instrumented with synchronize on and off, against plain, interleaved);
+# 5. benchmarks/gpu_events.py: the paired cost of synchronize="events" vs "wait" vs uninstrumented
+#    (and events with energy), on the tiny GPT-2 and on the 1.1B Llama.
 #
 # Environment: PYTHON (default: python), OUT (where results go; default: a new temporary folder).
 # Prints the date, the device, the versions and every result; the JSON and PNG files stay in $OUT.
@@ -121,6 +128,16 @@ echo
 echo "=== 4. benchmarks/gpu_sync_split.py $DEVICE $((RUNS * 4)) ==="
 PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" benchmarks/gpu_sync_split.py "$DEVICE" "$((RUNS * 4))" \
     | tee "$OUT/sync_split.txt"
+
+# --- 5. synchronize="events" vs "wait" vs uninstrumented, paired --------------------------------
+echo
+echo "=== 5. benchmarks/gpu_events.py $DEVICE $((RUNS * 3)), tiny GPT-2 ==="
+PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" benchmarks/gpu_events.py "$DEVICE" "$((RUNS * 3))" \
+    | tee "$OUT/events_tiny.txt"
+echo
+echo "=== 5. benchmarks/gpu_events.py $DEVICE $RUNS, Llama-architecture config ($DTYPE, $NEW new tokens) ==="
+PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" benchmarks/gpu_events.py "$DEVICE" "$((RUNS < 4 ? 4 : RUNS))" \
+    "$CONFIG" "$DTYPE" "$NEW" | tee "$OUT/events_llama.txt"
 
 echo
 echo "=== done: $(date -u +%Y-%m-%dT%H:%M:%SZ); files in $OUT; pytest -m gpu exit status $PYTEST_RC ==="

@@ -12,7 +12,15 @@ TinyLlama-1.1B; nothing is downloaded):
   criterion; step 0's start event inside the instrumentation's first synchronize, right before
   it reads the start clock), after instrumented warm-up calls;
 * the step latencies add up to the request span's duration within 2 %;
-* ``otel-generate bench`` on CUDA synchronizes around every timed call.
+* ``otel-generate bench`` on CUDA synchronizes around every timed call;
+* ``synchronize="events"``: the device-time step latencies agree with a reference timed with CUDA
+  events and a synchronize per step (events recorded by a user stopping criterion, which
+  transformers calls right before the instrumentation's own), within 2 % per step from step 1 on
+  and 1 % in sum; without the reference's waits, no ``torch.cuda.synchronize`` at all;
+* energy (NVML, the ``energy`` extra; these fail without it): the energy per output token on the
+  request span agrees with NVML's counter read around the whole call (after a synchronize on each
+  side) within 5 %, at batch 1 and 8, with ``synchronize=True`` and ``"events"``, and under
+  ``generate_batch`` (the sum of the requests' shares against the counter around the call).
 
 Each test prints its measurements (``-s`` shows them).
 """
@@ -56,6 +64,9 @@ PROMPT_TOKENS = 128
 NEW_TOKENS = 32
 STEP_TOLERANCE = 0.05  # step latency vs CUDA events, relative
 SPAN_TOLERANCE = 0.02  # sum of step latencies vs request span duration, relative
+EVENTS_STEP_TOLERANCE = 0.02  # synchronize="events": device step latency vs the synchronized reference, relative
+EVENTS_SUM_TOLERANCE = 0.01  # ... their sums (steps 1 on)
+ENERGY_TOLERANCE = 0.05  # energy per output token vs NVML around the call, relative
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +227,164 @@ def test_bench_on_cuda_synchronizes_around_every_timed_call(monkeypatch):
         f"TTFT {result['median_time_to_first_token_ms']:.3f} ms, "
         f"TPOT {result['median_time_per_output_token_ms']:.3f} ms"
     )
+
+
+# --- synchronize="events" --------------------------------------------------------------------------
+
+
+class SynchronizedEventMarks(StoppingCriteria):
+    """The reference: a CUDA timing event at every step boundary, then a synchronize."""
+
+    def __init__(self):
+        self.events = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        torch.cuda.synchronize()
+        self.events.append(event)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _request(span_exporter):
+    (request,) = [s for s in span_exporter.get_finished_spans() if s.name.startswith(A.OPERATION_TEXT_COMPLETION)]
+    return request
+
+
+def test_events_mode_device_times_agree_with_events_and_a_synchronize_per_step(
+    llama_1b, instrument, tracer_provider, span_exporter, monkeypatch
+):
+    inputs = prompt(llama_1b)
+    instrument(tracer_provider=tracer_provider, synchronize="events", measure_energy=False)
+    for _ in range(2):  # warm-up, instrumented like the measured calls
+        generate(llama_1b, inputs)
+    span_exporter.clear()
+    marks = SynchronizedEventMarks()
+    gc.collect()
+    out = generate(llama_1b, inputs, stopping_criteria=StoppingCriteriaList([marks]))
+    assert out.shape[-1] - PROMPT_TOKENS == NEW_TOKENS
+    attrs = _request(span_exporter).attributes
+    assert attrs[A.GENERATE_CLOCK] == A.CLOCK_DEVICE and attrs[A.GENERATE_SYNCHRONIZED] is True
+    device_ms = [s * 1e3 for s in attrs[A.GENERATE_STEP_LATENCIES]]
+    reference_ms = [a.elapsed_time(b) for a, b in zip(marks.events, marks.events[1:])]  # steps 1 on
+    assert len(device_ms) == len(marks.events) == NEW_TOKENS
+    print(f"\n{'step':>4} {'events mode ms':>15} {'reference ms':>13} {'difference':>11}")
+    bad = []
+    for i, (d, r) in enumerate(zip(device_ms[1:], reference_ms), start=1):
+        rel = (d - r) / r
+        print(f"{i:>4} {d:>15.4f} {r:>13.4f} {rel:>+10.3%}")
+        if abs(rel) > EVENTS_STEP_TOLERANCE:
+            bad.append((i, d, r))
+    total = (sum(device_ms[1:]) - sum(reference_ms)) / sum(reference_ms)
+    print(
+        f"sum from step 1: events mode {sum(device_ms[1:]):.3f} ms, reference {sum(reference_ms):.3f} ms ({total:+.3%})"
+    )
+    assert not bad, f"steps off by more than {EVENTS_STEP_TOLERANCE:.0%}: {bad}"
+    assert abs(total) <= EVENTS_SUM_TOLERANCE
+
+    # without the reference's waits: the host runs ahead, and the instrumentation never synchronizes
+    calls = []
+    real_synchronize = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: (calls.append(a), real_synchronize(*a, **k)))
+    span_exporter.clear()
+    generate(llama_1b, inputs)
+    assert calls == []
+    request = _request(span_exporter)
+    device_sum_ms = sum(request.attributes[A.GENERATE_STEP_LATENCIES]) * 1e3
+    duration_ms = (request.end_time - request.start_time) / 1e6
+    print(
+        f"no reference: request span {duration_ms:.3f} ms, sum of device step latencies {device_sum_ms:.3f} ms "
+        f"({(device_sum_ms - duration_ms) / duration_ms:+.2%})"
+    )
+
+
+# --- energy (NVML) -------------------------------------------------------------------------------------
+
+
+def nvml_counter():
+    """NVML's total-energy counter of the current CUDA device (millijoules), read directly."""
+    try:
+        import pynvml
+    except ImportError:
+        pytest.fail("nvidia-ml-py is not installed: pip install -e '.[energy]' (the energy checks need NVML)")
+    pynvml.nvmlInit()
+    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else "GPU-" + uuid)
+    return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+
+
+@pytest.mark.parametrize("synchronize", [True, "events"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_energy_per_token_agrees_with_nvml_around_the_call(
+    llama_1b, batch, synchronize, instrument, tracer_provider, span_exporter
+):
+    read = nvml_counter()
+    instrument(tracer_provider=tracer_provider, synchronize=synchronize)
+    inputs = prompt(llama_1b, batch=batch)
+    generate(llama_1b, inputs)  # warm-up
+    span_exporter.clear()
+    torch.cuda.synchronize()
+    before = read()
+    out = generate(llama_1b, inputs)
+    torch.cuda.synchronize()
+    after = read()
+    tokens = batch * NEW_TOKENS
+    assert out.shape == (batch, PROMPT_TOKENS + NEW_TOKENS)
+    request = _request(span_exporter)
+    attrs = request.attributes
+    assert attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] == tokens
+    nvml_per_token = (after - before) / 1000 / tokens
+    per_token = attrs[A.GENERATE_ENERGY_PER_OUTPUT_TOKEN]
+    rel = (per_token - nvml_per_token) / nvml_per_token
+    steps = [s for s in span_exporter.get_finished_spans() if A.GENERATE_STEP_ENERGY in s.attributes]
+    step_sum = sum(s.attributes[A.GENERATE_STEP_ENERGY] for s in steps)
+    print(
+        f"\nbatch {batch}, synchronize={synchronize!r}: request {attrs[A.GENERATE_ENERGY]:.3f} J, "
+        f"{per_token * 1e3:.3f} mJ/token; NVML around the call {(after - before) / 1000:.3f} J, "
+        f"{nvml_per_token * 1e3:.3f} mJ/token ({rel:+.2%}); steps with an energy {len(steps)}/{NEW_TOKENS}"
+        + (f", their sum {step_sum:.3f} J" if steps else "")
+    )
+    assert abs(rel) <= ENERGY_TOLERANCE
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_energy_per_token_under_generate_batch_agrees_with_nvml_around_the_call(
+    llama_1b, batch, instrument, tracer_provider, span_exporter
+):
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    read = nvml_counter()
+    instrument(tracer_provider=tracer_provider)
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=None, do_sample=False, pad_token_id=0)
+    batching = ContinuousBatchingConfig(num_blocks=512, max_batch_tokens=2048, page_size=16)
+    prompts = prompt(llama_1b, batch=batch)["input_ids"].tolist()
+
+    def run():
+        outputs = llama_1b.generate_batch(
+            inputs=prompts, generation_config=config, continuous_batching_config=batching, persistent_manager=True
+        )
+        tracer_provider.force_flush()  # the emitter's spans
+        return outputs
+
+    try:
+        run()  # warm-up: the manager, its cache and graphs, kept for the measured call
+        span_exporter.clear()
+        torch.cuda.synchronize()
+        before = read()
+        outputs = run()
+        torch.cuda.synchronize()
+        after = read()
+    finally:
+        llama_1b.destroy_cached_continuous_batching_manager()
+    tokens = sum(len(output.generated_tokens) for output in outputs.values())
+    assert tokens == batch * NEW_TOKENS
+    requests = [s for s in span_exporter.get_finished_spans() if s.name.startswith(A.OPERATION_TEXT_COMPLETION)]
+    assert len(requests) == batch
+    energy_j = sum(r.attributes[A.GENERATE_ENERGY] for r in requests)
+    nvml_j = (after - before) / 1000
+    rel = (energy_j / tokens - nvml_j / tokens) / (nvml_j / tokens)
+    print(
+        f"\ngenerate_batch, batch {batch}: requests' shares {energy_j:.3f} J, {energy_j / tokens * 1e3:.3f} mJ/token; "
+        f"NVML around the call {nvml_j:.3f} J, {nvml_j / tokens * 1e3:.3f} mJ/token ({rel:+.2%})"
+    )
+    assert abs(rel) <= ENERGY_TOLERANCE

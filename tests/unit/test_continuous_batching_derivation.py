@@ -309,3 +309,108 @@ def test_no_transformers_needed():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+# --- device time and energy of batch steps (marks) --------------------------------------------------
+
+
+class Event:
+    """A completed CUDA timing event at ``device_ms``; logs who asked it what."""
+
+    def __init__(self, device_ms, log, done=True):
+        self.device_ms, self.log, self.done = device_ms, log, done
+
+    def query(self):
+        self.log.append("query")
+        return self.done
+
+    def elapsed_time(self, end):
+        self.log.append("elapsed_time")
+        return end.device_ms - self.device_ms
+
+    def synchronize(self):  # pragma: no cover - never called: the test fails if it is
+        raise AssertionError("a blocking wait off the scheduler thread's logs")
+
+
+def computing(request_id, query_length, has_new_token=True):
+    future = Future(request_id, has_new_token)
+    future.query_length = query_length
+    return future
+
+
+def test_batch_step_energy_is_shared_by_tokens_computed_and_device_time_read_from_completed_events():
+    state = new_state()
+    submit(state, "req_0", 500_000, prompt=[1, 2, 3, 4, 5])
+    submit(state, "req_1", 600_000, prompt=[6, 7, 8])
+    log = []
+    events = [Event(ms, log) for ms in (0.0, 0.0625, 0.09375, 0.125)]
+    readings = [10_000, 10_800, 11_150, 11_500]  # millijoules at each boundary
+    marks = [(event, mj) for event, mj in zip(events, readings)]
+    state.steps.extend(
+        [
+            # both prompts prefilled: 5 and 3 tokens computed, 800 mJ
+            BatchLog(10**6, 2 * 10**6, [computing("req_0", 5), computing("req_1", 3)], (marks[0], marks[1])),
+            BatchLog(2 * 10**6, 3 * 10**6, [computing("req_0", 1), computing("req_1", 1)], (marks[1], marks[2])),
+            BatchLog(3 * 10**6, 4 * 10**6, [computing("req_0", 1)], (marks[2], marks[3])),  # req_0 alone
+        ]
+    )
+    state.delivered.append(
+        Delivery(4_100_000, [Output("req_0", [1, 2, 3, 4, 5], [7, 8, 9]), Output("req_1", [6, 7, 8], [8, 9])], body=3)
+    )
+    state.done = 3
+    requests = finished_requests(state)
+    first, second = requests["req_0"], requests["req_1"]
+    assert first.step_energy_mj == [500.0, 175.0, 350.0] and first.energy_mj == 1025.0
+    assert second.step_energy_mj == [300.0, 175.0] and second.energy_mj == 475.0
+    assert first.energy_mj + second.energy_mj == readings[-1] - readings[0]  # every batch step's energy, shared
+    # device time: each step starts its events' elapsed time before its (host) end
+    assert first.step_ends_ns == [2 * 10**6, 3 * 10**6, 4 * 10**6]
+    assert first.step_starts_ns == [2 * 10**6 - 62_500, 3 * 10**6 - 31_250, 4 * 10**6 - 31_250]
+    assert first.clock == second.clock == A.CLOCK_DEVICE
+    assert "query" in log and log.count("elapsed_time") == 3
+
+
+def test_batch_steps_without_an_energy_or_event_answer_keep_host_time_and_give_no_energy():
+    state = new_state()
+    submit(state, "req_0", 0)
+    log = []
+    running = Event(0.5, log, done=False)  # not completed yet: its time is not read
+    state.steps.extend(
+        [
+            BatchLog(10**6, 2 * 10**6, [computing("req_0", 2)], ((Event(0.0, log), 100), (running, 100))),  # stalled
+            BatchLog(2 * 10**6, 3 * 10**6, [computing("req_0", 1)], ((running, 100), (Event(1.0, log), 900))),
+        ]
+    )
+    state.delivered.append(Delivery(3_500_000, [Output("req_0", [1, 2], [5, 6])], body=2))
+    state.done = 2
+    (request,) = finished_requests(state).values()
+    # the first step's end event had not completed: host bounds; the second's had: its device time
+    assert request.step_starts_ns == [10**6, 3 * 10**6 - 500_000] and request.step_ends_ns == [2 * 10**6, 3 * 10**6]
+    assert request.clock is None  # not every step is device time
+    assert request.energy_mj is None and request.step_energy_mj is None  # one step's energy is unknown
+
+
+def test_no_query_length_gives_no_energy_shares():
+    state = new_state()
+    submit(state, "req_0", 0)
+    log = []
+    state.steps.append(BatchLog(10, 20, [Future("req_0")], ((Event(0.0, log), 100), (Event(0.1, log), 200))))
+    state.delivered.append(Delivery(25, [Output("req_0", [1], [5])], body=1))
+    state.done = 1
+    (request,) = finished_requests(state).values()
+    assert request.energy_mj is None and request.clock == A.CLOCK_DEVICE
+
+
+def test_children_share_a_step_their_energies_add_up():
+    record = CBRecord("req_0", start_ns=0, start_wall_ns=0, sequences=2)
+    record.timed = True
+    record.steps = {
+        "req_0": [BatchStep(0, 10, 20, 2, 1, 30.0), BatchStep(1, 20, 30, 2, 1, 20.0)],
+        "req_0__child#1": [BatchStep(0, 10, 20, 2, 1, 30.0), BatchStep(1, 20, 30, 2, 1, 20.0)],
+    }
+    record.outputs = {
+        "req_0": Finished(35, Output("req_0", [1], [5, 6]), 2),
+        "req_0__child#1": Finished(35, Output("req_0__child#1", [1], [7, 8]), 2),
+    }
+    request = cb_derive.request_of(record, cb_derive.derive(record), "m", "cuda:0")
+    assert request.step_energy_mj == [60.0, 40.0] and request.energy_mj == 100.0

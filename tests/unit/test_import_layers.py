@@ -31,6 +31,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
             "version",
             "package",
             "clock",
+            "energy",
             "stats",
             "record",
             "policy",
