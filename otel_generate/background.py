@@ -19,7 +19,9 @@ providers in use (wrapped by :func:`make_draining`: the ``"emitter"`` rows of
 :data:`otel_generate.instrumentor.PATCHES`) wait for the queue to empty, at most their timeout,
 before the providers flush. Interpreter exit too: a provider registers its exit-time ``shutdown``
 when it is created, usually before the emitter exists, so each emitter registers an ``atexit``
-drain of its own, which runs before the providers' (``atexit`` runs the last registered first).
+drain of its own, which runs before the providers' (``atexit`` runs the last registered first), and
+registers it again when it meets a provider set after it
+(:meth:`BackgroundEmitter.drain_at_exit_before_providers`).
 Once stopped (``uninstrument()``), an emitter runs what is still handed to it (a request that was
 in flight) on the caller's thread, so nothing is lost.
 """
@@ -90,6 +92,7 @@ class BackgroundEmitter:
                 emitter.drain()
                 emitter.report_drops(final=True)
 
+        self._drain_at_exit = drain_at_exit
         atexit.register(drain_at_exit)
 
     def submit(self, job: Callable[[], None]) -> bool:
@@ -146,6 +149,13 @@ class BackgroundEmitter:
             count,
             total,
         )
+
+    def drain_at_exit_before_providers(self) -> None:
+        """Register the exit-time drain again: a provider created after this emitter registered its
+        own exit-time ``shutdown`` (bound when registered, so not the wrapped one) after the drain,
+        and ``atexit`` runs the last registered first. Draining twice is harmless."""
+        atexit.unregister(self._drain_at_exit)
+        atexit.register(self._drain_at_exit)
 
     def _forget_parent(self) -> None:
         """In a forked child: the parent's worker thread does not exist here and its jobs are the

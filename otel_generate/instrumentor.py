@@ -431,6 +431,8 @@ def wrap_provider_flushes(patches: Patches, telemetry: Telemetry, rows: Optional
     last = telemetry.wrapped_providers
     if len(last) == len(in_use) and all(a[1] is b[1] for a, b in zip(last, in_use)):
         return  # (before each background job: the same providers as last time)
+    if last:  # a provider set after the emitter started: its exit-time shutdown must run after the drain
+        emitter.drain_at_exit_before_providers()
     telemetry.wrapped_providers = in_use
     providers = dict(in_use)
     for row in rows:
