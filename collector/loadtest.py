@@ -308,6 +308,20 @@ def jaeger_traces(url: str, service: str, start_us: int, limit: int) -> list:
         raise
 
 
+def traces_sent(batches: list, spans_sent: int) -> int:
+    """Traces in the export requests that were sent (the first ones, ``spans_sent`` spans)."""
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+    traces, spans = set(), 0
+    for payload, n in batches:
+        if spans >= spans_sent:
+            break
+        request = trace_service_pb2.ExportTraceServiceRequest.FromString(payload)
+        traces |= {s.trace_id for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans}
+        spans += n
+    return len(traces)
+
+
 def check_traces(traces: list, expected_steps: Dict[str, int]) -> dict:
     """Every trace: one request span; step spans all (of its kind's count) or none."""
     report = {"traces": len(traces), "kept": 0, "partial": [], "no_request_span": []}
@@ -334,7 +348,7 @@ def check_traces(traces: list, expected_steps: Dict[str, int]) -> dict:
 
 def run(args) -> int:
     import grpc
-    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
     from otel_generate import __version__
 
@@ -349,9 +363,40 @@ def run(args) -> int:
     before = {g.name: g.counters() for g in gateways}
     rss_before = {g.name: g.rss() for g in gateways}
 
-    channel = grpc.insecure_channel(args.target.removeprefix("http://"), compression=grpc.Compression.Gzip)
-    grpc.channel_ready_future(channel).result(timeout=30)
-    stub = trace_service_pb2_grpc.TraceServiceStub(channel)
+    # every export request built before the clock starts, so that sending costs the generator
+    # little beside the gateway on a small machine
+    batches = []
+    total = int(args.rate * args.seconds) + args.batch_spans
+    built = 0
+    now_ns = time.time_ns()
+    while built < total:
+        request = trace_service_pb2.ExportTraceServiceRequest()
+        resource_spans = request.resource_spans.add()
+        resource_spans.resource.CopyFrom(resource)
+        scope_spans = resource_spans.scope_spans.add()
+        scope_spans.scope.name = "otel_generate"
+        scope_spans.scope.version = __version__
+        n = 0
+        while n < args.batch_spans:
+            n += len(factory.add_trace(scope_spans, now_ns).spans)
+        batches.append((request.SerializeToString(), n))
+        built += n
+    print(f"loadtest: {len(batches)} export requests of about {args.batch_spans} spans built", file=sys.stderr)
+
+    compression = grpc.Compression.Gzip if args.compression == "gzip" else grpc.Compression.NoCompression
+    exports = []
+    for number in range(args.channels):  # connections of their own (a channel option tells them apart)
+        channel = grpc.insecure_channel(
+            args.target.removeprefix("http://"), compression=compression, options=[("loadtest.channel", number)]
+        )
+        grpc.channel_ready_future(channel).result(timeout=30)
+        exports.append(
+            channel.unary_unary(
+                "/opentelemetry.proto.collector.trace.v1.TraceService/Export",
+                request_serializer=lambda payload: payload,  # already serialized
+                response_deserializer=trace_service_pb2.ExportTraceServiceResponse.FromString,
+            )
+        )
 
     lock = threading.Lock()
     counts = {"sent": 0, "accepted": 0, "refused": 0, "errors": {}}
@@ -377,40 +422,34 @@ def run(args) -> int:
     sampler.start()
     start_wall_us = int(time.time() * 1e6)
     start = time.monotonic()
+    own_cpu = time.process_time()
     end = start + args.seconds
     offered = 0
     blocked_s = 0.0
-    while True:
+    for number, (payload, n) in enumerate(batches):
         now = time.monotonic()
         if now >= end:
             break
         due = start + offered / args.rate
         if due > now:
-            time.sleep(min(due - now, end - now))
-            continue
-        request = trace_service_pb2.ExportTraceServiceRequest()
-        resource_spans = request.resource_spans.add()
-        resource_spans.resource.CopyFrom(resource)
-        scope_spans = resource_spans.scope_spans.add()
-        scope_spans.scope.name = "otel_generate"
-        scope_spans.scope.version = __version__
-        now_ns = time.time_ns()
-        n = 0
-        while n < args.batch_spans:
-            n += len(factory.add_trace(scope_spans, now_ns).spans)
+            time.sleep(due - now)
+            if time.monotonic() >= end:
+                break
         waited = time.monotonic()
         in_flight.acquire()
         blocked_s += time.monotonic() - waited
-        future = stub.Export.future(request, timeout=args.request_timeout)
+        future = exports[number % len(exports)].future(payload, timeout=args.request_timeout)
         future.add_done_callback(lambda f, n=n: answered(f, n))
         offered += n
     sent_end = time.monotonic()
+    own_cpu = time.process_time() - own_cpu
     for _ in range(args.in_flight):  # every request answered
         in_flight.acquire()
     print(
         f"loadtest: offered {offered} spans in {sent_end - start:.1f} s ({offered / (sent_end - start):.0f} spans/s"
-        f" for {args.rate:g} asked; {blocked_s:.1f} s waiting on {args.in_flight} requests in flight);"
-        f" traces {factory.counts}; receiver errors {counts['errors'] or 'none'}",
+        f" for {args.rate:g} asked; {blocked_s:.1f} s waiting on {args.in_flight} requests in flight;"
+        f" the generator used {100 * own_cpu / (sent_end - start):.0f} % of a core);"
+        f" traces built {factory.counts}; receiver errors {counts['errors'] or 'none'}",
         file=sys.stderr,
     )
 
@@ -439,7 +478,7 @@ def run(args) -> int:
     busiest = max(gateways, key=lambda g: after[g.name]["accepted"] - before[g.name]["accepted"])
 
     # Jaeger: until it holds what the gateways exported (its writes follow the export)
-    sent_traces = sum(factory.counts.values())
+    sent_traces = traces_sent(batches, counts["sent"])
     traces, in_jaeger = [], 0
     deadline = time.monotonic() + args.settle_timeout
     while True:
@@ -517,7 +556,9 @@ def main(argv=None) -> int:
     parser.add_argument("--error-share", type=float, default=0.01)
     parser.add_argument("--slow-share", type=float, default=0.01)
     parser.add_argument("--batch-spans", type=int, default=512)
-    parser.add_argument("--in-flight", type=int, default=8)
+    parser.add_argument("--in-flight", type=int, default=10)
+    parser.add_argument("--compression", choices=("gzip", "none"), default="gzip")
+    parser.add_argument("--channels", type=int, default=1)
     parser.add_argument("--request-timeout", type=float, default=10.0)
     parser.add_argument("--decision-wait", type=float, default=10.0)
     parser.add_argument("--settle-timeout", type=float, default=120.0)

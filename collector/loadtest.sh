@@ -45,7 +45,7 @@ while (($#)); do
     --scale) scale=true ;;
     --rate) rate=${2:-} && shift ;;
     --seconds) seconds=${2:-} && shift ;;
-    --steps | --error-share | --slow-share | --service | --json | --seed | --batch-spans | --in-flight)
+    --steps | --error-share | --slow-share | --service | --json | --seed | --batch-spans | --in-flight | --compression | --channels)
         [[ $# -ge 2 ]] || usage
         passed+=("$1" "$2") && shift
         ;;
