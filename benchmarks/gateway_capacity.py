@@ -144,6 +144,10 @@ def table(runs: list, command: str) -> str:
         f"Most taken in: {top['lines']['ACCEPTED'] / top['seconds']:,.0f} spans/s (asked {top['rate']:,}), at"
         f" {top['lines']['GATEWAY_CPU_PERCENT']:.1f} % of a core; REFUSED stayed"
         f" {'0' if all(r['lines']['REFUSED'] == 0 for r in runs) else 'above 0 in some runs'}.",
+        f"In one line: one gateway kept up with its sender up to {kept_up[-1]['details']['offered_rate']:,.0f}"
+        f" spans/s at {kept_up[-1]['lines']['GATEWAY_CPU_PERCENT']:.0f} % of a core; asked for more, it took in at"
+        f" most {top['lines']['ACCEPTED'] / top['seconds']:,.0f} spans/s and slowed its sender rather than refuse,"
+        " its memory growing with the traces it held for their decision.",
     ]
     return "\n".join(lines)
 

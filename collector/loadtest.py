@@ -8,17 +8,21 @@ The traces: one real instrumented ``generate()`` call on a tiny random-weight GP
 this package emits: a request span ``text_completion {model}`` and one step span per decode step,
 ``prefill`` then ``decode``, instrumentation scope ``otel_generate``) is encoded once as OTLP, as
 the SDK's exporter would send it. Every trace sent is a copy with new trace and span ids, its
-timestamps moved so that it ends when it is sent. Shares of the traces are an error (a real
+timestamps moved so that it ends when the export requests are built, just before the run (all of
+them are built and serialized first, so that sending costs the generator little on a small
+machine). Shares of the traces are an error (a real
 ``generate()`` that raised at half its steps: the request span has status ERROR) or have a slow
 step (one ``decode`` span of 300 ms, above the gateway's 250 ms ``slow-decode-step`` policy); the
 rest take the probabilistic policy's chance. Telemetrygen (the contrib module) cannot do this: it
 names its spans ``lets-go``/``okey-dokey-N`` under the scope ``telemetrygen``, which the gateway's
 filters and step-span policies do not treat as step spans, and gives every span one status.
 
-Export requests carry whole traces, about ``--batch-spans`` spans each, gzip-compressed (as the
-agent's OTLP exporter sends them), at most ``--in-flight`` at a time over one gRPC channel,
-paced so that ``rate × elapsed`` spans have been offered at any moment. A request the receiver
-refuses is counted and not retried.
+Export requests carry whole traces, about ``--batch-spans`` spans each (512), gzip-compressed
+(as the agent's OTLP exporter sends them; ``--compression none`` to compare), at most
+``--in-flight`` at a time (10, the agent's exporter's consumers) over ``--channels`` gRPC
+connections (1), paced so that ``rate × elapsed`` spans have been offered at any moment. A
+request the receiver refuses is counted and not retried. When the gateway answers too slowly for
+the requests in flight, the sender waits and sends less than asked: stderr says how much.
 
 Printed on stdout, one ``NAME=value`` line each (counts in spans):
 

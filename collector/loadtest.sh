@@ -8,7 +8,9 @@
 # Options after those (defaults in brackets): --steps N [256] step spans per trace, plus its
 # request span; --error-share F [0.01] and --slow-share F [0.01] of the traces fail or have one
 # 300 ms decode step; --service NAME [otel-generate-loadtest-<time>] the spans' service.name;
-# --json FILE the run's details. The generator and what each figure means: collector/loadtest.py.
+# --json FILE the run's details; --in-flight N [10], --channels N [1], --compression gzip|none,
+# --batch-spans N [512], --seed N: how it sends. The generator and what each figure means:
+# collector/loadtest.py. Measured figures and how to size from them: docs/scaling.md.
 #
 # Prints, on stdout, exactly these lines (spans, percent of one core, MiB, traces):
 #

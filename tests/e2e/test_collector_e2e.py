@@ -397,7 +397,7 @@ def test_scale_tier_keeps_traces_whole_and_samples_by_the_gateway_policies():
     tail = gateway["processors"]["tail_sampling"]
     decision_wait_s = int(str(tail["decision_wait"]).rstrip("s"))
     with local_stack("--scale") as stack:
-        assert set(stack) == {"OTLP_GRPC_ENDPOINT", "OTLP_HTTP_ENDPOINT", "JAEGER_UI"}
+        assert set(stack) == {"OTLP_GRPC_ENDPOINT", "OTLP_HTTP_ENDPOINT", "JAEGER_UI", "JAEGER_UI_SERVED"}
         # the agent and the gateways run their configs without a deprecated component name
         assert not deprecation_warnings("scale")
         sent = _run_workers(stack["OTLP_GRPC_ENDPOINT"], gateway)
