@@ -497,7 +497,7 @@ def run(args) -> int:
     refused = counts["refused"] + (delta["refused"] if args.scale else 0)
     print(f"SENT={counts['sent']}")
     print(f"ACCEPTED={counts['accepted']}")
-    print(f"REFUSED={refused}")
+    print(f"REFUSED={refused:.0f}")
     print(f"EXPORTED_TO_JAEGER={delta['exported']:.0f}")
     print(f"IN_JAEGER={in_jaeger}")
     print(f"GATEWAY_CPU_PERCENT={busiest.cpu_percent(steady_start, sent_end):.1f}")
