@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from fractions import Fraction
 from pathlib import Path
 
@@ -32,11 +34,14 @@ import yaml
 
 from otel_generate import attributes as A
 from tests.e2e.test_collector_tier import CONFIGS, GATEWAY, ottl
+from tests.e2e.test_otlp_export import NEW_TOKENS, run_app
 from tests.helpers.local_stack import (
+    BUILD_SH,
     LOCAL_SH,
     build,
     deprecation_warnings,
     jaeger_traces,
+    local_sh,
     local_stack,
     parent_id,
     parse_lines,
@@ -52,6 +57,8 @@ MANIFEST = REPO / "collector" / "builder-config.yaml"
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "scale_worker.py"
 SECTIONS = ("receivers", "processors", "exporters", "connectors", "extensions")
 STEP_NAMES = (A.STEP_SPAN_PREFILL, A.STEP_SPAN_DECODE)
+#: What the page of a Jaeger binary built without UI assets says (cmd/query/app/ui/placeholder).
+PLACEHOLDER = "This is not the Jaeger UI you are looking for"
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +150,14 @@ def test_local_sh_up_and_down_each_take_under_30_s_and_leave_nothing(binaries, t
     try:
         assert up.returncode == 0, up.stderr
         endpoints = parse_lines(up.stdout)
+        # next to JAEGER_UI: what that page is, and (on stderr) how to get the UI when it is the placeholder
+        served = endpoints.pop("JAEGER_UI_SERVED")
+        assert served in ("placeholder", "jaeger-ui")
+        with urllib.request.urlopen(endpoints["JAEGER_UI"] + "/", timeout=10) as response:
+            page = response.read().decode(errors="replace")
+        assert (PLACEHOLDER in page) == (served == "placeholder")
+        if served == "placeholder":
+            assert "OTEL_GENERATE_JAEGER_UI_ASSETS" in up.stderr and "docker compose" in up.stderr
         assert set(endpoints) == {"OTLP_GRPC_ENDPOINT", "OTLP_HTTP_ENDPOINT", "JAEGER_UI", "PROMETHEUS_URL"}
         assert all(value.startswith("http://127.0.0.1:") for value in endpoints.values())
         assert all(_listening(value) for value in endpoints.values())
@@ -165,6 +180,147 @@ def test_local_sh_up_and_down_each_take_under_30_s_and_leave_nothing(binaries, t
     assert not any(_running(pid) for pid in pids), "a process up started is still running"
     assert not list((tmp_path / "state").glob("*/*.pid"))
     assert not any(_listening(value) for value in endpoints.values()), "a port is still taken"
+
+
+def test_traces_outlive_down_and_up_and_up_fresh_clears_them(binaries, tmp_path):
+    """Jaeger stores on disk (Badger, in the tier's state folder): `down` then `up` keeps the
+    traces of the previous run; `up --fresh` starts from an empty store."""
+    require_executable("prometheus", "apt-get install prometheus (Debian's package, 2.42)")
+    state = tmp_path / "state"
+    service = "otel-generate-e2e-durable"
+
+    def up(*args):
+        result = local_sh("up", *args, state=state, timeout=120)
+        assert result.returncode == 0, result.stderr
+        return parse_lines(result.stdout)
+
+    def traces(stack):
+        return {t["traceID"]: len(t["spans"]) for t in jaeger_traces(stack["JAEGER_UI"], service)}
+
+    try:
+        stack = up()
+        proc = run_app(
+            {
+                "OTEL_SERVICE_NAME": service,
+                "OTEL_TRACES_EXPORTER": "otlp",
+                "OTEL_METRICS_EXPORTER": "none",
+                "OTEL_LOGS_EXPORTER": "none",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": stack["OTLP_GRPC_ENDPOINT"],
+            }
+        )
+        assert proc.returncode == 0, proc.stderr
+        first = wait_for(lambda: {t: n for t, n in traces(stack).items() if n == 2 + NEW_TOKENS}, 60)
+        assert len(first) == 1, traces(stack)
+        assert (state / "single" / "jaeger-data").is_dir()
+
+        assert local_sh("down", state=state, timeout=60).returncode == 0
+        stack = up()
+        assert traces(stack) == first, "the trace of the previous run is gone after down and up"
+
+        assert local_sh("down", state=state, timeout=60).returncode == 0
+        stack = up("--fresh")
+        assert traces(stack) == {}, "up --fresh kept the previous traces"
+    finally:
+        assert local_sh("down", state=state, timeout=60).returncode == 0
+
+
+# =============================================================================================
+# local.sh: every missing prerequisite, at once and at the start
+# =============================================================================================
+
+
+def _bare_path(tmp_path: Path, *keep: str) -> str:
+    """A PATH folder with links to only the given commands (and what bash and the scripts need)."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for name in ("bash", "env", "sed", "cat", "head", "tr", "sha256sum", "cut", "dirname", "mkdir", "rm", "ls", *keep):
+        found = shutil.which(name)
+        if found:
+            (folder / name).symlink_to(found)
+    return str(folder)
+
+
+def test_up_without_prometheus_fails_at_once_naming_it(binaries, tmp_path):
+    env = dict(os.environ, PATH=_bare_path(tmp_path, "curl", "setsid", "go", "flock"))
+    env.pop("PROMETHEUS", None)
+    env["OTEL_GENERATE_LOCAL_STATE"] = str(tmp_path / "state")
+    start = time.monotonic()
+    result = subprocess.run([str(LOCAL_SH), "up"], capture_output=True, text=True, timeout=60, env=env)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result
+    assert "prometheus not found" in result.stderr and "apt-get install prometheus" in result.stderr
+    assert elapsed < 5, f"took {elapsed:.1f} s"
+    assert not list((tmp_path / "state").glob("*/*.pid")), "it started something"
+
+
+def test_up_names_every_missing_prerequisite_at_once_before_building(tmp_path):
+    """No Go, no prometheus, no curl, binaries not built (an empty cache), a port taken: one
+    run names all of them, and neither builds nor waits on a build lock."""
+    env = dict(os.environ, PATH=_bare_path(tmp_path), OTEL_GENERATE_CACHE=str(tmp_path / "empty-cache"))
+    env.pop("PROMETHEUS", None)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env["PROMETHEUS_PORT"] = str(port)
+        start = time.monotonic()
+        result = subprocess.run([str(LOCAL_SH), "up"], capture_output=True, text=True, timeout=60, env=env)
+        elapsed = time.monotonic() - start
+    assert result.returncode == 1, result
+    for needle in ("go not found", "prometheus not found", "curl not found", f"port 127.0.0.1:{port} is in use"):
+        assert needle in result.stderr, (needle, result.stderr)
+    assert "PROMETHEUS_PORT" in result.stderr  # the variable that moves the port
+    assert elapsed < 5, f"took {elapsed:.1f} s"
+    assert not (tmp_path / "empty-cache" / "build.lock").exists(), "it went on to the build"
+
+
+def test_a_port_in_use_names_the_port_and_the_variable_that_moves_it(binaries, tmp_path):
+    require_executable("prometheus", "apt-get install prometheus (Debian's package, 2.42)")
+    env = dict(os.environ, OTEL_GENERATE_LOCAL_STATE=str(tmp_path / "state"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for tier, variable in (((), "JAEGER_UI_PORT"), (("--scale",), "GATEWAY_2_PORT")):
+            result = subprocess.run(
+                [str(LOCAL_SH), "up", *tier],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env={**env, variable: str(port)},
+            )
+            assert result.returncode == 1, result
+            assert f"port 127.0.0.1:{port} is in use: free it, or set {variable} to a free port" in result.stderr
+            assert not list((tmp_path / "state").glob("*/*.pid")), "it started something"
+
+
+def test_build_says_when_it_waits_on_another_builds_lock(binaries, tmp_path):
+    """collector/build.sh with the lock held elsewhere and a binary missing: it says it waits."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    lock = subprocess.Popen(["flock", str(cache / "build.lock"), "sleep", "60"])
+    waiting = None
+    try:
+        # until the other process holds the lock (else this build.sh would take it and build)
+        held = wait_for(
+            lambda: subprocess.run(["flock", "-n", str(cache / "build.lock"), "true"]).returncode != 0, 10, 0.05
+        )
+        assert held
+        waiting = subprocess.Popen(
+            [str(BUILD_SH)],
+            env=dict(os.environ, OTEL_GENERATE_CACHE=str(cache)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        line = waiting.stderr.readline()
+        assert "waiting for another collector/build.sh" in line and "build.lock" in line, line
+    finally:
+        if waiting is not None:
+            waiting.kill()
+            waiting.communicate(timeout=30)
+        lock.kill()
+        lock.wait(timeout=10)
 
 
 # =============================================================================================
@@ -241,7 +397,7 @@ def test_scale_tier_keeps_traces_whole_and_samples_by_the_gateway_policies():
     tail = gateway["processors"]["tail_sampling"]
     decision_wait_s = int(str(tail["decision_wait"]).rstrip("s"))
     with local_stack("--scale") as stack:
-        assert set(stack) == {"OTLP_GRPC_ENDPOINT", "OTLP_HTTP_ENDPOINT", "JAEGER_UI"}
+        assert set(stack) == {"OTLP_GRPC_ENDPOINT", "OTLP_HTTP_ENDPOINT", "JAEGER_UI", "JAEGER_UI_SERVED"}
         # the agent and the gateways run their configs without a deprecated component name
         assert not deprecation_warnings("scale")
         sent = _run_workers(stack["OTLP_GRPC_ENDPOINT"], gateway)

@@ -45,6 +45,7 @@ COMPOSE = REPO / "docker-compose.yml"
 AGENT = REPO / "collector" / "agent.yaml"
 GATEWAY = REPO / "collector" / "gateway.yaml"
 SINGLE = REPO / "collector" / "otel-collector.yaml"
+JAEGER_CONFIG = REPO / "collector" / "jaeger" / "jaeger.yaml"
 SCALING_DOC = REPO / "docs" / "scaling.md"
 SPAN_SIZES = REPO / "benchmarks" / "span_sizes.py"
 MANIFEST = REPO / "collector" / "builder-config.yaml"
@@ -387,9 +388,24 @@ def test_no_two_started_services_publish_the_same_host_port(compose, profiles):
     assert len(ports) == len(set(ports)), f"--profile {profiles}: host ports {sorted(ports)}"
 
 
-def test_gateways_export_to_jaeger_on_its_otlp_grpc_port(compose, gateway):
+_ENV_REFERENCE = re.compile(r"\$\{env:(\w+)(?::-([^}]*))?\}")
+
+
+def _expand(value: str, environment: dict) -> str:
+    """A configuration value with its ``${env:NAME:-default}`` references resolved in ``environment``."""
+    return _ENV_REFERENCE.sub(lambda m: str(environment.get(m.group(1), m.group(2) or "")), str(value))
+
+
+def _compose_jaeger(compose: dict):
+    """The compose Jaeger service, its configuration (collector/jaeger/jaeger.yaml) and environment."""
     jaeger = compose["services"]["jaeger"]
-    jaeger_grpc = _port(_set_flags(jaeger)["receivers.otlp.protocols.grpc.endpoint"])
+    assert _mounted_config(jaeger) == JAEGER_CONFIG.resolve(), "compose runs collector/jaeger/jaeger.yaml"
+    return jaeger, _load(JAEGER_CONFIG), {k: str(v) for k, v in (jaeger.get("environment") or {}).items()}
+
+
+def test_gateways_export_to_jaeger_on_its_otlp_grpc_port(compose, gateway):
+    _, config, environment = _compose_jaeger(compose)
+    jaeger_grpc = _port(_expand(config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"], environment))
     endpoints = {name: cfg["endpoint"] for name, cfg in gateway["exporters"].items()}
     assert endpoints, "the gateway exports somewhere"
     for name, endpoint in endpoints.items():
@@ -403,6 +419,27 @@ def test_gateways_export_to_jaeger_on_its_otlp_grpc_port(compose, gateway):
         tuple(p["exporters"]) for p in _pipelines(gateway).values() if _real(gateway, "exporters", p["exporters"])
     }
     assert exported == {tuple(endpoints)}
+
+
+def test_jaeger_stores_on_disk_in_a_named_volume_with_a_retention(compose):
+    """Compose and local.sh run the same Jaeger file: Badger on disk (not ephemeral), its folder on
+    the named volume compose declares, spans kept JAEGER_RETENTION (72 h unless set)."""
+    jaeger, config, environment = _compose_jaeger(compose)
+    backends = config["extensions"]["jaeger_storage"]["backends"]
+    store = config["exporters"]["jaeger_storage_exporter"]["trace_storage"]
+    assert config["extensions"]["jaeger_query"]["storage"]["traces"] == store
+    badger = backends[store]["badger"]
+    assert badger["ephemeral"] is False
+    assert _expand(badger["ttl"]["spans"], {}) == "72h"  # the documented default
+    assert _expand(badger["ttl"]["spans"], environment) == environment.get("JAEGER_RETENTION", "72h")
+    folders = {_expand(badger["directories"][k], environment) for k in ("keys", "values")}
+    volumes = {str(v).split(":")[1]: str(v).split(":")[0] for v in jaeger["volumes"]}
+    for folder in folders:
+        (mount,) = [m for m in volumes if folder.startswith(m.rstrip("/") + "/")]
+        assert volumes[mount] in (compose.get("volumes") or {}), f"{folder} is not on a named volume"
+    # no batch processor in Jaeger: it answers the Collector once the spans are written
+    assert not config["service"]["pipelines"]["traces"].get("processors")
+    assert "JAEGER_RETENTION" in (REPO / "collector" / "local.sh").read_text()
 
 
 # =============================================================================================

@@ -8,20 +8,26 @@ Phoenix's REST API (``GET /v1/projects/default/spans``) and checked: the same tr
 attributes (with their JSON types) as on the wire. Phoenix takes no metrics, so metrics export is
 off here.
 
-Where to find Phoenix: ``OTEL_GENERATE_PHOENIX_BIN`` (the ``phoenix`` executable; ``.ci/run``
-sets it), else ``phoenix`` on ``PATH``. The test skips, saying so, only when neither exists; a
-Phoenix that is there but does not start is a failure.
+The trace in a real browser: headless Chromium (Debian's ``chromium``) opens Phoenix's page of
+the example's trace, runs its JavaScript, and the rendered page (``--dump-dom``) must name the
+application span, the request span and, in order, its ``prefill`` and every ``decode`` step; the
+screenshot of that page is kept as a test artifact, ``phoenix-trace.png`` in
+``$OTEL_GENERATE_ARTIFACTS`` (default ``test-artifacts/`` at the repository root; that is how
+``docs/images/phoenix-trace.png`` was made).
 
-With Chromium available (``OTEL_GENERATE_CHROMIUM`` or ``chromium`` on ``PATH``) the HTTP run
-also takes a headless screenshot of the trace in Phoenix's UI (to
-``OTEL_GENERATE_PHOENIX_SCREENSHOT`` if set: that is how ``docs/images/phoenix-trace.png`` was
-made).
+Where to find Phoenix: ``OTEL_GENERATE_PHOENIX_BIN`` (the ``phoenix`` executable; ``.ci/run``
+sets it), else ``phoenix`` on ``PATH``; Chromium: ``OTEL_GENERATE_CHROMIUM``, else ``chromium``
+on ``PATH``. Without one of them the tests skip and say why, except where backends are required
+(``OTEL_GENERATE_REQUIRE_BACKENDS=1``, which ``.ci/run`` sets, or ``CI=true``): there they fail.
+A Phoenix that is there but does not start is a failure.
 """
 
 from __future__ import annotations
 
+import html
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -44,6 +50,7 @@ from tests.e2e.test_otlp_export import (
     printed,
     run_app,
 )
+from tests.helpers.local_stack import missing, require_executable
 from tests.helpers.otlp_receiver import GRPC, HTTP
 
 pytestmark = pytest.mark.slow
@@ -149,7 +156,7 @@ class Phoenix:
 def phoenix(tmp_path_factory):
     executable = _phoenix_executable()
     if executable is None:
-        pytest.skip(
+        missing(
             "Arize Phoenix not found: set OTEL_GENERATE_PHOENIX_BIN to the `phoenix` executable of a "
             "separate environment with `pip install arize-phoenix` (.ci/run does), or put `phoenix` on PATH"
         )
@@ -189,34 +196,66 @@ def _check_types(attrs: dict, contract: dict, required: set) -> None:
             assert type(value) is expected, f"{key}: {value!r} is {type(value).__name__}, docs/contract.md says {kind}"
 
 
-def _screenshot(phoenix: Phoenix, trace_id: str, span_node_id: str, target: Path) -> None:
-    chromium = os.environ.get("OTEL_GENERATE_CHROMIUM") or shutil.which("chromium")
-    if not chromium:
-        return
-    (project,) = [p for p in _get_json(f"{phoenix.base_url}/v1/projects")["data"] if p["name"] == "default"]
-    url = f"{phoenix.base_url}/projects/{project['id']}/traces/{trace_id}?selectedSpanNodeId={span_node_id}"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [
-            chromium,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-background-networking",
-            "--no-first-run",
-            "--disable-dev-shm-usage",
-            "--hide-scrollbars",
-            "--window-size=1400,720",
-            "--virtual-time-budget=15000",
-            f"--screenshot={target}",
-            url,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        timeout=120,
-        check=True,
+REPO = Path(__file__).resolve().parents[2]
+#: Chromium's flags for a headless run on a machine without a network: no sandbox (root), no GPU,
+#: no background connections, a new empty profile each time.
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--no-first-run",
+    "--disable-quic",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--hide-scrollbars",
+    "--window-size=1400,800",
+    # time for the page's scripts to fetch the trace and draw it
+    "--virtual-time-budget=15000",
+)
+
+
+def _chromium() -> str:
+    return os.environ.get("OTEL_GENERATE_CHROMIUM") or require_executable(
+        "chromium", "apt-get install chromium (Debian's package)"
     )
-    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _browse(url: str, *args: str, profile: Path) -> subprocess.CompletedProcess:
+    """Chromium, headless, on ``url`` with ``args`` (``--dump-dom``, ``--screenshot=...``)."""
+    return subprocess.run(
+        [_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args, url],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def _trace_url(phoenix: Phoenix, trace_id: str, span_node_id: str) -> str:
+    (project,) = [p for p in _get_json(f"{phoenix.base_url}/v1/projects")["data"] if p["name"] == "default"]
+    return f"{phoenix.base_url}/projects/{project['id']}/traces/{trace_id}?selectedSpanNodeId={span_node_id}"
+
+
+def _page_text(dom: str) -> str:
+    """The text a person reads on the rendered page: no scripts, styles or tags, spaces collapsed."""
+    text = re.sub(r"<(script|style)\b.*?</\1>", " ", dom, flags=re.S | re.I)
+    text = html.unescape(re.sub(r"<[^>]+>", " ", text))
+    return re.sub(r"\s+", " ", text)
+
+
+def _artifacts() -> Path:
+    folder = Path(os.environ.get("OTEL_GENERATE_ARTIFACTS") or REPO / "test-artifacts")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _screenshot(phoenix: Phoenix, trace_id: str, span_node_id: str, target: Path, profile: Path) -> None:
+    shot = _browse(_trace_url(phoenix, trace_id, span_node_id), f"--screenshot={target}", profile=profile)
+    assert shot.returncode == 0, shot.stderr[-3000:]
+    data = target.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 20_000, "a blank page compresses to a few kB"  # a rendered trace view does not
 
 
 @pytest.mark.parametrize("protocol", [HTTP, GRPC])
@@ -278,8 +317,40 @@ def test_phoenix_stores_the_same_span_tree(phoenix, protocol, tmp_path):
         assert _when(request["start_time"]) <= _when(step["start_time"]) <= _when(step["end_time"])
         assert _when(step["end_time"]) <= _when(request["end_time"])
 
-    if protocol == HTTP:
-        target = os.environ.get("OTEL_GENERATE_PHOENIX_SCREENSHOT")
-        _screenshot(
-            phoenix, request["context"]["trace_id"], request["id"], Path(target) if target else tmp_path / "trace.png"
-        )
+
+def test_phoenix_shows_the_example_trace_in_a_real_browser(phoenix, tmp_path):
+    """examples/app.py's trace, as a person sees it: Phoenix's trace page rendered by Chromium."""
+    before = {s["context"]["trace_id"] for s in phoenix.spans()}
+    proc = run_app(
+        {
+            "OTEL_SERVICE_NAME": SERVICE_NAME,
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_METRICS_EXPORTER": "none",
+            "OTEL_LOGS_EXPORTER": "none",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": HTTP,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": phoenix.endpoint(HTTP),
+        }
+    )
+    assert proc.returncode == 0, proc.stderr
+    spans = _new_trace(phoenix, before, 2 + NEW_TOKENS)
+    assert len(spans) == 2 + NEW_TOKENS, phoenix.log_tail()
+    (request,) = [s for s in spans if s["name"].startswith(A.OPERATION_TEXT_COMPLETION + " ")]
+    trace_id = request["context"]["trace_id"]
+    url = _trace_url(phoenix, trace_id, request["id"])
+
+    dom = _browse(url, "--dump-dom", profile=tmp_path / "profile-dom")
+    assert dom.returncode == 0, dom.stderr[-3000:]
+    text = _page_text(dom.stdout)
+    # the trace view: its id, then the span tree in order, each name with its duration
+    assert f"Trace {trace_id}" in text, text[:3000]
+    tree = text[text.index(f"Trace {trace_id}") :]
+    names = re.findall(
+        r"(?<![\w-])(handle_request|" + re.escape(request["name"]) + r"|prefill|decode) \d+(?:\.\d+)?\s?m?s", tree
+    )
+    steps = [A.STEP_SPAN_PREFILL] + [A.STEP_SPAN_DECODE] * (NEW_TOKENS - 1)
+    assert names[: 2 + NEW_TOKENS] == ["handle_request", request["name"], *steps], (names, tree[:2000])
+    # the selected span's panel: the request span, with its token counts among its attributes
+    assert tree.count(request["name"]) >= 2, tree[:3000]
+
+    target = _artifacts() / "phoenix-trace.png"
+    _screenshot(phoenix, trace_id, request["id"], target, profile=tmp_path / "profile-shot")

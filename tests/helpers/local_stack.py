@@ -74,27 +74,40 @@ def build() -> dict:
     return parse_lines(result.stdout)
 
 
-def down() -> subprocess.CompletedProcess:
-    return subprocess.run([str(LOCAL_SH), "down"], capture_output=True, text=True, timeout=DOWN_TIMEOUT_S)
+def local_sh(*args: str, state: Path | None = None, timeout: float = UP_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """``collector/local.sh *args``, with its state folder ``state`` when given."""
+    env = dict(os.environ)
+    if state is not None:
+        env["OTEL_GENERATE_LOCAL_STATE"] = str(state)
+    return subprocess.run([str(LOCAL_SH), *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def down(state: Path | None = None) -> subprocess.CompletedProcess:
+    return local_sh("down", state=state, timeout=DOWN_TIMEOUT_S)
 
 
 @contextlib.contextmanager
-def local_stack(*args: str):
-    """``collector/local.sh up *args`` → the printed endpoints; ``down`` on the way out."""
+def local_stack(*args: str, state: Path | None = None, fresh: bool = True):
+    """``collector/local.sh up *args`` → the printed endpoints; ``down`` on the way out.
+
+    ``fresh``: ``up --fresh``, an empty Jaeger (its storage is on disk and outlives ``down``), so
+    that a test counts only its own traces. ``state``: the state folder (default local.sh's).
+    """
     build()
     if "--scale" not in args:
         require_executable("prometheus", "apt-get install prometheus (Debian's package, 2.42)")
-    result = subprocess.run([str(LOCAL_SH), "up", *args], capture_output=True, text=True, timeout=UP_TIMEOUT_S)
+    up_args = [*args, "--fresh"] if fresh else list(args)
+    result = local_sh("up", *up_args, state=state)
     try:
-        assert result.returncode == 0, f"collector/local.sh up {' '.join(args)} failed:\n{result.stderr[-5000:]}"
+        assert result.returncode == 0, f"collector/local.sh up {' '.join(up_args)} failed:\n{result.stderr[-5000:]}"
         yield parse_lines(result.stdout)
     finally:
-        stopped = down()
+        stopped = down(state)
         assert stopped.returncode == 0, stopped.stderr
 
 
 def state_dir() -> Path:
-    """Where ``collector/local.sh`` keeps its pid files and logs (one folder per tier)."""
+    """Where ``collector/local.sh`` keeps its pid files, logs and Jaeger's storage (one folder per tier)."""
     cache = os.environ.get("OTEL_GENERATE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "otel-generate"
     )
