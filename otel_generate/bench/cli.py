@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from otel_generate.bench import continuous, instructions, runner
 from otel_generate.bench.config import DEVICES, DTYPES, EXPORTERS, MODEL_EOS, SAMPLERS, BenchConfig, BenchUsageError
-from otel_generate.bench.instructions import CONFIGURATIONS, DEFAULT_CALLS_HIGH, DEFAULT_CALLS_LOW
+from otel_generate.bench.instructions import CONFIGURATIONS, DEFAULT_PAIRS
 from otel_generate.bench.instructions import DEFAULT_NEW_TOKENS as INSTRUCTIONS_NEW_TOKENS
 from otel_generate.bench.monitor import LOAD_PER_CORE_LIMIT
 from otel_generate.bench.plot import MATPLOTLIB_MISSING, PLOT_FORMATS, plot_format
@@ -169,30 +169,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--instructions",
         action="store_true",
-        help="count instructions instead of time: valgrind's callgrind, one process, each configuration set up "
-        "once, (Ir(--calls-high calls) - Ir(--calls-low calls)) / (high - low) per call; plain, plain with the "
-        "SDK set up, instrumented (the --compare configurations) and unsampled; BLAS/OpenMP on one thread; "
-        "needs valgrind",
+        help="count instructions instead of time: valgrind's callgrind, a process per configuration and thread "
+        "view, --pairs pairs of a plain call (instrumentation suppressed) and an instrumented call in it, the "
+        "caller's thread and all threads apart; BLAS/OpenMP on one thread; needs valgrind",
     )
     parser.add_argument(
-        "--calls-low",
+        "--pairs",
         type=int,
         default=None,
-        metavar="K",
-        help=f"--instructions: the smaller number of calls (default {DEFAULT_CALLS_LOW})",
-    )
-    parser.add_argument(
-        "--calls-high",
-        type=int,
-        default=None,
-        metavar="K",
-        help=f"--instructions: the larger number of calls (default {DEFAULT_CALLS_HIGH})",
+        metavar="N",
+        help=f"--instructions: pairs of a plain and an instrumented call counted per configuration "
+        f"(default {DEFAULT_PAIRS})",
     )
     parser.add_argument(
         "--configurations",
         metavar="NAMES",
         default=None,
-        help="--instructions: comma-separated, from " + ", ".join(CONFIGURATIONS) + " (default all; plain always)",
+        help="--instructions: comma-separated, from " + ", ".join(CONFIGURATIONS) + " (default all)",
     )
     parser.add_argument(
         "--requests",
@@ -230,8 +223,7 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> Benc
         continuous_batching=args.continuous_batching,
         requests=args.requests,
         instructions=args.instructions,
-        calls_low=args.calls_low if args.calls_low is not None else DEFAULT_CALLS_LOW,
-        calls_high=args.calls_high if args.calls_high is not None else DEFAULT_CALLS_HIGH,
+        pairs=args.pairs if args.pairs is not None else DEFAULT_PAIRS,
         configurations=args.configurations,
         argv=list(argv),
     )

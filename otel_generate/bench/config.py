@@ -59,8 +59,7 @@ class BenchConfig:
     continuous_batching: bool = False  # the continuous-batching workload (otel_generate.bench.continuous)
     requests: Optional[int] = None  # --continuous-batching: requests per run (None: the default, 16)
     instructions: bool = False  # count instructions under callgrind (otel_generate.bench.instructions)
-    calls_low: int = 2  # --instructions: the smaller number of calls of the difference method
-    calls_high: int = 18  # --instructions: the larger one
+    pairs: int = 10  # --instructions: pairs of a plain and an instrumented call counted per configuration
     configurations: Optional[str] = None  # --instructions: comma-separated names (None: all)
     argv: List[str] = field(default_factory=list)
 

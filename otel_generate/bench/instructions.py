@@ -3,54 +3,48 @@
 Time ratios on a shared machine move by several percent between identical runs; instruction
 counts do not depend on what else the machine runs. This mode runs each configuration in a Python
 process of its own under valgrind's callgrind (:mod:`otel_generate.bench.instructions_child`),
-as many at a time as the machine has cores, at most :data:`MAX_PROCESSES` (a count does not
-depend on what runs beside it). Each process:
+as many at a time as the machine has cores, at most :data:`MAX_PROCESSES`. Each process:
 
-1. sets its configuration up once (plain: nothing; ``plain-sdk``: the SDK providers below, nothing
-   instrumented; instrumented: ``GenerateInstrumentor().instrument()`` with an SDK
-   ``TracerProvider`` + ``BatchSpanProcessor`` + the ``--exporter`` and an SDK
-   ``MeterProvider``, kept for all its calls), then runs ``--warmup`` calls. The processor
-   exports when a batch is full or at a flush, not on its 5 s timer (:func:`span_processor`:
-   under valgrind the timer would fire about 50 times as often per call as natively);
-2. runs ``K_lo`` calls (``--calls-low``, default 2), then flushes the providers (the span export
-   and the metric collection those calls deferred are counted with them);
-3. runs ``K_hi`` calls (``--calls-high``, default 18) the same way;
-4. uninstruments.
+1. sets its configuration up once: an SDK ``TracerProvider`` with a ``BatchSpanProcessor`` and the
+   ``--exporter``, an SDK ``MeterProvider``, and ``GenerateInstrumentor().instrument()`` with the
+   configuration's keywords, kept for all its calls. The processor exports when a batch is full or
+   at a flush, not on its 5 s timer (:func:`span_processor`: under valgrind the timer would fire
+   about 50 times as often per call as natively);
+2. warms up with ``--warmup`` pairs of calls, then turns callgrind's counting on itself
+   (:func:`start_counting`, ``callgrind_control --instr=on``; valgrind starts with
+   ``--instr-atstart=no``): imports, set-up and warmup are not counted;
+3. runs ``--pairs`` pairs, each a **plain** call (the same ``generate()`` under OpenTelemetry's
+   ``suppress_instrumentation()``: the hooks only pass through) and an **instrumented** call, each
+   in a callgrind dump of its own (``os.getloadavg()`` marks the borders, ``--dump-before``),
+   then, in a dump that is not read, a flush of the providers and a garbage collection (the
+   collector is off while calls are counted: a collection's cost would land in whichever call
+   crossed its threshold).
 
-A process of its own per configuration keeps one configuration's heap out of the next one's:
-run one after another in one process, each configuration inherited the heap the ones before it
-had left, and the allocator's work (glibc's ``malloc``/``free``, ``pymalloc``) moved with it. What
-a fresh process does not remove is the layout term: CPython 3.11's attribute cache is indexed by
-a type's version tag and the *address* of the attribute's name, so where a process's allocations
-land decides which lookups collide, and every miss walks the classes' dictionaries. The same
-configuration started the same way repeats to the instruction (plain, tiny GPT-2, 128 tokens:
-560,569,280.375 twice); started from another folder, or as another configuration that allocates
-differently before its calls, its count moves by up to about 2 M instructions per call (0.4 %;
-BENCHMARKS.md, issue 18 session 9). An added figure below that size is not resolved by one run.
+Paired in one process, the two arms share everything a process's count depends on besides the
+instrumentation: the threads alive (the span processor's and the background emitter's: a second
+thread makes glibc take its slower multi-threaded paths in the caller's own code), the imports,
+and the layout term: CPython 3.11's attribute cache is indexed by a type's version tag and the
+*address* of the attribute's name, so where a process's allocations land decides which lookups
+collide. Compared across processes, two configurations' counts moved by up to about 3 M
+instructions per call of the tiny GPT-2 (0.5 %) from those alone; paired in one process, the
+added count is what the instrumentation runs. The plain arm includes the hooks' pass-through
+checks (a few thousand instructions a call), which the added count therefore leaves out.
 
-The process marks the borders between these parts by calling ``os.getloadavg()`` (libc's
-``getloadavg``, which nothing else calls here): callgrind runs with
-``--dump-before=getloadavg``, so each part's instructions land in a dump of their own. A
-``gc.collect()`` before each part keeps collections of earlier garbage out of it. Then, per
-configuration (the difference method):
-
-    instructions per call = (Ir(K_hi calls) - Ir(K_lo calls)) / (K_hi - K_lo)
-
-which cancels everything a part pays once (the flush's fixed cost, the marker), as well as
-process start, imports and set-up, which are in other dumps. "Ir" is callgrind's count of
-executed instructions. Each configuration runs twice, in two processes:
+Each configuration is counted twice, in two processes:
 
 * **the caller's thread**: with ``--separate-threads=yes``, a dump at a marker holds the thread
-  that called it, the one that calls ``generate()``: what the application's thread pays
-  (``caller_*`` fields);
-* **all threads**: without it, a dump holds every thread's counts since the last one, the
-  background emitter's and the span processor's included (the flush at the end of each part
-  drains both): the whole work (the plain fields).
+  that reached it, the one that calls ``generate()``: what the application's thread pays
+  (``caller_*`` fields). The background emitter builds the request's spans and metrics on its own
+  thread, mostly while the caller waits in the flush between pairs;
+* **all threads**: without it, a dump holds every thread's counts since the last one; each call
+  is followed by a flush inside its own dump, so the background emitter's work and the span
+  processor's export are in the call that caused them (the plain fields).
 
-Per step is per call divided by the decode steps of a call (the new tokens of the longest row:
-greedy decoding adds one token per step). Added is instrumented minus plain, also as a share of
-plain, for the caller's thread and for all threads. Each instrumented configuration's output
-sequences are compared with plain's (``outputs_identical``).
+Per call is the mean over the pairs, added is instrumented minus plain (its median and range over
+the pairs are kept too), also as a share of plain; per step is per call divided by the decode
+steps of a call (the new tokens of the longest row: greedy decoding adds one token per step). Each
+configuration's instrumented output sequences are compared with its plain ones
+(``outputs_identical``).
 
 BLAS and OpenMP are kept to one thread (``OPENBLAS_NUM_THREADS=1``, ``OMP_NUM_THREADS=1``,
 ``MKL_NUM_THREADS=1``, ``torch.set_num_threads(--threads)``), so that no idle thread spins, and
@@ -87,66 +81,44 @@ from otel_generate.bench.config import BenchConfig, BenchUsageError, require_mod
 from otel_generate.bench.environment import machine
 from otel_generate.options import STEP_SPANS_NONE, STEP_SPANS_SLOW
 
-#: ``name: (description, instrument() keywords, sampled)``; ``plain`` and ``plain-sdk`` (see
-#: :data:`PROVIDERS_ONLY`) are uninstrumented.
-CONFIGURATIONS: Dict[str, Tuple[str, Optional[Dict[str, Any]], bool]] = {
-    "plain": ("plain generate(): GenerationMixin.generate uninstrumented", None, True),
-    "plain-sdk": (
-        "plain generate(), uninstrumented, with the SDK providers of the instrumented configurations set up "
-        "(their span processor's thread alive): the baseline the instrumentation adds to",
-        None,
-        True,
-    ),
+#: ``name: (description, instrument() keywords, sampled)``: each is paired with plain calls in its process.
+CONFIGURATIONS: Dict[str, Tuple[str, Dict[str, Any], bool]] = {
     "all-step-spans": (
-        "instrumented with the default options: every step a span and the per-token histogram, built on the "
-        "background emitter",
+        "the default options: every step a span and the per-token histogram, built on the background emitter",
         {},
-        True,
-    ),
-    "max-step-spans-0": (
-        "instrumented, max_step_spans=0: the request span and metrics, no step span",
-        {"max_step_spans": 0},
         True,
     ),
     "step-spans-none": (
-        "instrumented, step_spans='none' (the policy): no step span",
+        "step_spans='none' (the policy): the request span and every metric, no step span",
         {"step_spans": STEP_SPANS_NONE},
         True,
     ),
-    "step-spans-slow": (
-        "instrumented, step_spans='slow': step spans only for slow requests",
-        {"step_spans": STEP_SPANS_SLOW},
-        True,
-    ),
     "unsampled": (
-        "instrumented, sampler ParentBased(ALWAYS_OFF): the request is not sampled (its metrics still are)",
+        "sampler ParentBased(ALWAYS_OFF): the request is not sampled (no span; its metrics still are)",
         {},
         False,
     ),
+    "max-step-spans-0": (
+        "max_step_spans=0: the request span and metrics, no step span",
+        {"max_step_spans": 0},
+        True,
+    ),
+    "step-spans-slow": (
+        "step_spans='slow': step spans only for slow requests",
+        {"step_spans": STEP_SPANS_SLOW},
+        True,
+    ),
     "foreground": (
-        "instrumented, background_emission=False: every step a span and the per-token histogram, built on the "
-        "caller's thread before generate() returns",
+        "background_emission=False: every step a span and the per-token histogram, built on the caller's thread "
+        "before generate() returns",
         {"background_emission": False},
         True,
     ),
 }
 #: The thread views each configuration is counted in: the caller's thread alone, and every thread.
 THREAD_VIEWS = ("caller", "all")
-#: Configurations that run one thread (BLAS and OpenMP kept to one): counted once, threads apart,
-#: which is also their count of every thread.
-SINGLE_THREADED = frozenset({"plain"})
-SINGLE_THREADED_VIEWS = ("caller",)
-#: Uninstrumented configurations that still set up the SDK providers (a ``TracerProvider`` with
-#: :func:`span_processor`, a ``MeterProvider``), so that their span processor's thread is alive: the
-#: baseline of what instrumenting ``generate()`` adds in a process that has OpenTelemetry set up.
-#: A second thread makes glibc take its multi-threaded mutex paths (``__pthread_mutex_unlock_usercnt``
-#: +0.49 M instructions per call of the tiny GPT-2, ``pthread_mutex_lock`` -0.16 M, in every run
-#: that separated it); the rest of what ``plain-sdk`` reads over ``plain`` (+10,412 to +2.1 M per call
-#: in fresh processes, BENCHMARKS.md issue 18 session 9) is the layout term of the module docstring.
-PROVIDERS_ONLY = frozenset({"plain-sdk"})
 DEFAULT_NEW_TOKENS = 128
-DEFAULT_CALLS_LOW = 2
-DEFAULT_CALLS_HIGH = 18
+DEFAULT_PAIRS = 10
 #: The libc function whose call marks a border between parts (``--dump-before``).
 MARKER = "getloadavg"
 #: Set by the parent: the child turns callgrind's counting on itself (``callgrind_control -i on``)
@@ -205,10 +177,10 @@ def span_processor(exporter: Any) -> Any:
 
 
 def parse_configurations(text: Optional[str]) -> List[str]:
-    """``"plain,unsampled"`` -> the names, in :data:`CONFIGURATIONS` order, ``plain`` always first.
+    """``"unsampled,all-step-spans"`` -> the names, in :data:`CONFIGURATIONS` order.
 
     Raises:
-        BenchUsageError: an unknown name.
+        BenchUsageError: an unknown name, or none.
     """
     if text is None:
         return list(CONFIGURATIONS)
@@ -219,8 +191,7 @@ def parse_configurations(text: Optional[str]) -> List[str]:
             f"--configurations: unknown {', '.join(map(repr, unknown)) or 'empty list'}; "
             f"choose from {', '.join(CONFIGURATIONS)}"
         )
-    chosen = set(names) | {"plain"}  # the added share needs plain
-    return [name for name in CONFIGURATIONS if name in chosen]
+    return [name for name in CONFIGURATIONS if name in names]
 
 
 def validate(config: BenchConfig) -> None:
@@ -245,10 +216,10 @@ def validate(config: BenchConfig) -> None:
             raise BenchUsageError(
                 f"{option} does not apply to --instructions, which runs fixed configurations (--configurations)"
             )
-    if config.calls_low < 0:
-        raise BenchUsageError(f"--calls-low must be 0 or more, got {config.calls_low}")
-    if config.calls_high <= config.calls_low:
-        raise BenchUsageError(f"--calls-high must be above --calls-low, got {config.calls_high} and {config.calls_low}")
+    if config.pairs < 1:
+        raise BenchUsageError(f"--pairs must be at least 1, got {config.pairs}")
+    if config.warmup < 0:
+        raise BenchUsageError(f"--warmup must be 0 or more, got {config.warmup}")
     config.configurations = ",".join(parse_configurations(config.configurations))
     require_module(
         "opentelemetry.sdk",
@@ -309,13 +280,12 @@ def run(config: BenchConfig) -> Dict[str, Any]:
     names = config.configurations.split(",")
     workdir = tempfile.mkdtemp(prefix="otel-generate-instructions-")
     try:
-        views = {name: SINGLE_THREADED_VIEWS if name in SINGLE_THREADED else THREAD_VIEWS for name in names}
-        processes = sum(len(v) for v in views.values())
+        processes = len(names) * len(THREAD_VIEWS)
         jobs = min(processes, max(1, os.cpu_count() or 1), MAX_PROCESSES)
         print(
             f"otel-generate bench --instructions: {len(names)} configuration(s) under callgrind in {processes} "
-            f"processes (the caller's thread and all threads apart; {jobs} at a time), {config.calls_low} and "
-            f"{config.calls_high} calls each; this takes minutes",
+            f"processes (the caller's thread and all threads apart; {jobs} at a time), {config.pairs} pairs of "
+            "plain and instrumented calls each; this takes minutes",
             file=sys.stderr,
         )
         children = _Children()
@@ -333,20 +303,16 @@ def run(config: BenchConfig) -> Dict[str, Any]:
                     view == "caller",
                 )
                 for index, name in enumerate(names)
-                for view in views[name]
+                for view in THREAD_VIEWS
             }
             done = {key: future.result() for key, future in futures.items()}
-            for name in names:  # a single thread: the caller's count is every thread's
-                done.setdefault((name, "all"), done[(name, "caller")])
         except BaseException:  # a configuration failed, or Ctrl-C: start no other, stop those running
             children.stop()
             pool.shutdown(wait=False, cancel_futures=True)
             raise
         finally:
             pool.shutdown(wait=True)
-        every = merge_processes([done[(name, "all")] for name in names])
-        caller = merge_processes([done[(name, "caller")] for name in names])
-        return result_document(config, *every, caller_dumps=caller[1])
+        return result_document(config, {key: configuration_counts(*found) for key, found in done.items()})
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -399,6 +365,7 @@ def _run_configuration(
     spec = {
         "config": {k: v for k, v in vars(config).items() if k != "argv"},
         "configurations": [name],
+        "view": "caller" if caller_only else "all",
         "result": child_path,
     }
     with open(spec_path, "w", encoding="utf-8") as handle:
@@ -444,122 +411,98 @@ def _run_configuration(
     return child, dumps
 
 
-def merge_processes(
-    processes: Sequence[Tuple[Dict[str, Any], Dict[int, int]]],
-) -> Tuple[Dict[str, Any], Dict[int, int], List[str]]:
-    """The children's results and dumps of one process per configuration, in order, as one
-    ``(child, dumps, labels)`` for :func:`result_document`: the labels concatenated, the dumps
-    numbered on, the runs together. A configuration's ``outputs_identical`` also requires its
-    sequences to equal the first configuration's (``plain``), read in another process."""
-    child: Dict[str, Any] = {"configurations": [], "runs": {}}
-    dumps: Dict[int, int] = {}
-    labels: List[str] = []
-    reference = None
-    for own, own_dumps in processes:
-        for number, ir in own_dumps.items():
-            dumps[len(labels) + number] = ir
-        labels.extend(own["labels"])
-        for name in own["configurations"]:
-            run = dict(own["runs"][name])
-            sequences = run.pop("sequences", None)
-            if reference is None:
-                reference = sequences
-            run["outputs_identical"] = bool(run["outputs_identical"]) and sequences == reference
-            child["configurations"].append(name)
-            child["runs"][name] = run
-        for key in ("versions", "model", "parameters"):
-            child.setdefault(key, own[key])
-    return child, dumps, labels
+def configuration_counts(child: Dict[str, Any], dumps: Dict[int, int]) -> Dict[str, Any]:
+    """One process's counts: ``{"plain": [Ir per pair], "instrumented": [...], "run": child's run,
+    "versions", "model", "parameters"}``, from its dumps read by their labels (``"NAME plain I"``,
+    ``"NAME instrumented I"``; the others are not read)."""
+    counts: Dict[str, List[int]] = {"plain": [], "instrumented": []}
+    for number, label in enumerate(child["labels"], 1):
+        parts = label.rsplit(" ", 2)
+        if len(parts) == 3 and parts[1] in counts:
+            counts[parts[1]].append(dumps[number])
+    (name,) = child["configurations"]
+    return {**counts, "run": child["runs"][name], **{key: child[key] for key in ("versions", "model", "parameters")}}
 
 
-def result_document(
-    config: BenchConfig,
-    child: Dict[str, Any],
-    dumps: Dict[int, int],
-    labels: Sequence[str],
-    caller_dumps: Optional[Dict[int, int]] = None,
-) -> Dict[str, Any]:
-    """The JSON document: one entry per configuration, plain first, with the added share vs plain,
-    for all threads and (``caller_dumps``: the same parts counted on the caller's thread) for the
-    caller's thread."""
-    part = {label: dumps[index + 1] for index, label in enumerate(labels)}
-    caller_part = {label: caller_dumps[index + 1] for index, label in enumerate(labels)} if caller_dumps else None
-    span = config.calls_high - config.calls_low
-    caller_plain: Optional[float] = None
+def _arm_figures(plain: Sequence[int], instrumented: Sequence[int], steps: int) -> Dict[str, Any]:
+    """Per call, mean over the pairs; added = instrumented - plain, pair by pair."""
+    pairs = min(len(plain), len(instrumented))
+    if pairs == 0:
+        raise BenchUsageError("the process under valgrind counted no pair of calls")
+    added = [instrumented[i] - plain[i] for i in range(pairs)]
+    plain_mean = sum(plain[:pairs]) / pairs
+    mean_added = sum(added) / pairs
+    ordered = sorted(added)
+    middle = pairs // 2
+    median = ordered[middle] if pairs % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return {
+        "plain_per_call": plain_mean,
+        "instructions_per_call": sum(instrumented[:pairs]) / pairs,
+        "added_per_call": mean_added,
+        "added_percent": 100.0 * mean_added / plain_mean,
+        "added_per_step": mean_added / steps if steps else None,
+        "added_median_per_call": median,
+        "added_min_per_call": ordered[0],
+        "added_max_per_call": ordered[-1],
+        "pairs": pairs,
+    }
+
+
+def result_document(config: BenchConfig, counts: Dict[Tuple[str, str], Dict[str, Any]]) -> Dict[str, Any]:
+    """The JSON document: one row per configuration (in :data:`CONFIGURATIONS` order), its figures for
+    all threads and (``caller_*``) for the caller's thread, from :func:`configuration_counts` of its two
+    processes (``(name, "all")`` and ``(name, "caller")``)."""
+    names = [name for name in CONFIGURATIONS if (name, "all") in counts]
     rows: List[Dict[str, Any]] = []
-    plain: Optional[Dict[str, Any]] = None
-    baseline: Optional[Dict[str, Any]] = None  # plain-sdk's row, when it ran
-    for name in child["configurations"]:
-        info = child["runs"][name]
-        total_low, total_high = part[f"{name} low"], part[f"{name} high"]
-        per_call = (total_high - total_low) / span
-        steps = info["steps"]
-        row: Dict[str, Any] = {
-            "configuration": name,
-            "description": CONFIGURATIONS[name][0],
-            "ir_low": total_low,
-            "ir_high": total_high,
-            "instructions_per_call": per_call,
-            "steps_per_call": steps,
-            "instructions_per_step": per_call / steps if steps else None,
-            "spans_per_call": info["spans_per_call"],
-            "spans_expected_per_call": info["spans_expected_per_call"],
-            "outputs_identical": info["outputs_identical"],
-        }
-        if name == "plain":
-            plain = row
-        if plain is not None and name != "plain":
-            added = per_call - plain["instructions_per_call"]
-            row["added_per_call"] = added
-            row["added_percent"] = 100.0 * added / plain["instructions_per_call"]
-            row["added_per_step"] = added / steps if steps else None
-        if caller_part is not None:
-            caller_low, caller_high = caller_part[f"{name} low"], caller_part[f"{name} high"]
-            caller_per_call = (caller_high - caller_low) / span
-            row["caller_ir_low"], row["caller_ir_high"] = caller_low, caller_high
-            row["caller_instructions_per_call"] = caller_per_call
-            if name == "plain":
-                caller_plain = caller_per_call
-            elif caller_plain is not None:
-                row["caller_added_per_call"] = caller_per_call - caller_plain
-                row["caller_added_percent"] = 100.0 * (caller_per_call - caller_plain) / caller_plain
-                row["caller_added_per_step"] = (caller_per_call - caller_plain) / steps if steps else None
-        if name in PROVIDERS_ONLY:
-            baseline = row
-        elif baseline is not None and name != "plain":
-            added = per_call - baseline["instructions_per_call"]
-            row["added_over_sdk_per_call"] = added
-            row["added_over_sdk_percent"] = 100.0 * added / baseline["instructions_per_call"]
+    first: Optional[Dict[str, Any]] = None
+    for name in names:
+        every, caller = counts[(name, "all")], counts[(name, "caller")]
+        first = first or every
+        run = every["run"]
+        steps = run["steps"]
+        row: Dict[str, Any] = {"configuration": name, "description": CONFIGURATIONS[name][0], "steps_per_call": steps}
+        row.update(_arm_figures(every["plain"], every["instrumented"], steps))
+        row["instructions_per_step"] = row["instructions_per_call"] / steps if steps else None
+        row.update(
+            {
+                f"caller_{key}": value
+                for key, value in _arm_figures(caller["plain"], caller["instrumented"], steps).items()
+            }
+        )
+        row["spans_per_call"] = run["spans_per_call"]
+        row["spans_expected_per_call"] = run["spans_expected_per_call"]
+        row["outputs_identical"] = bool(run["outputs_identical"]) and bool(caller["run"]["outputs_identical"])
         rows.append(row)
+    if first is None:
+        raise BenchUsageError("no configuration was counted")
     return {
         "mode": "instructions",
-        "versions": child["versions"],
+        "versions": first["versions"],
         "valgrind": valgrind_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": list(config.argv),
         "method": (
-            "one process per configuration under valgrind --tool=callgrind (as many at a time as there are "
-            f"cores, at most {MAX_PROCESSES}); in each: set up once, "
-            f"warmup, then {config.calls_low} calls + flush and {config.calls_high} calls + flush, each part in a "
-            f"callgrind dump of its own (os.getloadavg() marks the borders, --dump-before={MARKER}); "
-            "instructions per call = (Ir(high) - Ir(low)) / (calls_high - calls_low); each configuration in two "
-            "processes: --separate-threads=yes, the main thread's dumps (caller_*: the thread that calls generate()), "
-            "and without it, Ir summed over all threads (the plain fields); "
+            "per configuration, two processes under valgrind --tool=callgrind --instr-atstart=no (as many at a time "
+            f"as there are cores, at most {MAX_PROCESSES}); in each: set up once, {config.warmup} warmup pairs "
+            f"uncounted, then {config.pairs} pairs of a plain call (suppress_instrumentation()) and an instrumented "
+            f"call, each in a callgrind dump of its own (os.getloadavg() marks the borders, --dump-before={MARKER}); "
+            "added per call = mean over the pairs of instrumented - plain; caller_*: --separate-threads=yes, the "
+            "main thread's dumps, the providers flushed between pairs; the plain fields: every thread, each call "
+            "followed by a flush in its own dump; "
             f"BatchSpanProcessor(schedule_delay_millis={EXPORT_DELAY_MILLIS}): spans exported when 512 are queued "
-            "or at the flush, not on a timer"
+            "or at a flush, not on a timer"
         ),
         "environment": dict(SINGLE_THREAD_ENV, **HASH_SEED_ENV, torch_threads=config.threads),
         "machine": machine("cpu"),
-        "model": child["model"],
-        "parameters": child["parameters"],
+        "model": first["model"],
+        "parameters": first["parameters"],
         "device": "cpu",
         "dtype": config.dtype,
         "prompt_tokens": config.prompt_tokens,
         "new_tokens_requested": config.new_tokens,
         "batch_size": config.batch_size,
         "warmup": config.warmup,
-        "calls_low": config.calls_low,
-        "calls_high": config.calls_high,
+        "pairs": config.pairs,
         "exporter": config.exporter,
         "configurations": rows,
         "note": (
@@ -576,54 +519,33 @@ def summary_text(result: Dict[str, Any]) -> str:
         f"otel-generate bench --instructions: {result['model']}, {result['new_tokens_requested']} new tokens, "
         f"prompt {result['prompt_tokens']} x batch {result['batch_size']}, cpu, "
         f"{result['environment']['torch_threads']} torch thread(s)",
-        f"  callgrind, difference of {result['calls_high']} and {result['calls_low']} calls; exporter "
-        f"{result['exporter']}",
+        f"  callgrind, {result['pairs']} pairs of a plain and an instrumented call per configuration, each "
+        f"configuration in its own process; exporter {result['exporter']}",
     ]
-    if any(row.get("caller_instructions_per_call") is not None for row in rows):
-        lines.append("  the caller's thread (the thread that calls generate()):")
-        lines.append(f"  {'configuration':<22}{'per call':>14}{'added/call':>14}{'added':>9}{'added/step':>12}")
-        for row in rows:
-            added = row.get("caller_added_per_call")
-            lines.append(
-                f"  {row['configuration']:<22}{row['caller_instructions_per_call']:>14,.0f}"
-                + (
-                    f"{added:>+14,.0f}{row['caller_added_percent']:>+8.3f}%"
-                    f"{(row['caller_added_per_step'] or 0):>+12,.0f}"
-                    if added is not None
-                    else ""
-                )
-            )
-    lines += [
-        "  all threads (the caller's, the background emitter's, the span processor's):",
-        f"  {'configuration':<22}{'per call':>14}{'per step':>12}{'added/call':>14}{'added':>9}{'added/step':>12}"
-        # (the plain-sdk column only where that configuration ran)
-        + (
-            f"{'over plain-sdk':>16}"
-            if any(row.get("added_over_sdk_per_call") is not None for row in result["configurations"])
-            else ""
-        ),
-    ]
-    for row in result["configurations"]:
-        added = row.get("added_per_call")
-        over_sdk = row.get("added_over_sdk_per_call")
+    for title, prefix in (
+        ("the caller's thread (the thread that calls generate())", "caller_"),
+        ("all threads (the caller's, the background emitter's, the span processor's)", ""),
+    ):
+        lines.append(f"  {title}:")
         lines.append(
-            f"  {row['configuration']:<22}{row['instructions_per_call']:>14,.0f}"
-            f"{(row['instructions_per_step'] or 0):>12,.0f}"
-            + (
-                f"{added:>+14,.0f}{row['added_percent']:>+8.3f}%{(row['added_per_step'] or 0):>+12,.0f}"
-                if added is not None
-                else ""
-            )
-            + (f"{row['added_over_sdk_percent']:>+15.3f}%" if over_sdk is not None else "")
+            f"  {'configuration':<18}{'plain/call':>14}{'added/call':>13}{'added':>9}{'added/step':>12}"
+            f"{'pairs: min .. max added':>28}"
         )
+        for row in rows:
+            lines.append(
+                f"  {row['configuration']:<18}{row[prefix + 'plain_per_call']:>14,.0f}"
+                f"{row[prefix + 'added_per_call']:>+13,.0f}{row[prefix + 'added_percent']:>+8.3f}%"
+                f"{(row[prefix + 'added_per_step'] or 0):>+12,.0f}"
+                f"{row[prefix + 'added_min_per_call']:>+15,.0f} .. {row[prefix + 'added_max_per_call']:<+11,.0f}"
+            )
     mismatched = [
         row["configuration"]
-        for row in result["configurations"]
+        for row in rows
         if row["spans_expected_per_call"] is not None and row["spans_per_call"] != row["spans_expected_per_call"]
     ]
     if mismatched:
         lines.append(f"  WARNING: spans exported differ from those expected in {', '.join(mismatched)}")
-    if not all(row["outputs_identical"] for row in result["configurations"]):
+    if not all(row["outputs_identical"] for row in rows):
         lines.append("  WARNING: some instrumented outputs differ from plain generate()'s")
     lines.append(f"  {result['note']}")
     return "\n".join(lines)

@@ -19,33 +19,24 @@ from tests.helpers.bench import run_cli
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed (.ci/run installs it)")
 def test_instructions_counts_what_the_instrumentation_adds(tmp_path, capsys):
     out = tmp_path / "instructions.json"
-    # 8 calls apart: the counts' run-to-run spread (about 2 M instructions a part, from code that depends
-    # on measured times and garbage collection) divided by 8 stays well under what is added. The three
-    # configurations of the cost targets (each counted twice: the caller's thread, all threads)
+    # the three configurations of the cost targets, each in two processes (the caller's thread, all threads)
     configurations = ["all-step-spans", "step-spans-none", "unsampled"]
-    argv = ["--instructions", "--new-tokens", "16", "--warmup", "1", "--calls-low", "1", "--calls-high", "9"]
+    argv = ["--instructions", "--new-tokens", "16", "--warmup", "2", "--pairs", "4"]
     argv += ["--configurations", ",".join(configurations)]
     assert run_cli(*argv, "--output", str(out)) == 0
     doc = json.loads(out.read_text())
     rows = {row["configuration"]: row for row in doc["configurations"]}
-    assert list(rows) == ["plain", *configurations]
-    plain = rows["plain"]
-    # a 16-token call of the tiny GPT-2 executes tens of millions of instructions
-    assert plain["instructions_per_call"] > 1e7 and plain["steps_per_call"] == 16
-    # single-threaded plain: its caller's thread is all of it, to within the counts' spread
-    assert plain["caller_instructions_per_call"] == pytest.approx(plain["instructions_per_call"], rel=0.01)
+    assert list(rows) == configurations
     for name, row in rows.items():
-        assert row["outputs_identical"] is True
+        # a 16-token call of the tiny GPT-2 executes tens of millions of instructions, on the caller's thread
+        assert row["plain_per_call"] > 1e7 and row["caller_plain_per_call"] > 1e7 and row["steps_per_call"] == 16
+        assert row["outputs_identical"] is True and row["pairs"] == row["caller_pairs"] == 4
         if row["spans_expected_per_call"] is not None:
             assert row["spans_per_call"] == row["spans_expected_per_call"], name
-        if name == "plain":
-            continue
-        assert row["added_percent"] == pytest.approx(100 * row["added_per_call"] / plain["instructions_per_call"])
-        assert row["caller_added_percent"] == pytest.approx(
-            100 * row["caller_added_per_call"] / plain["caller_instructions_per_call"]
-        )
-        # the instrumented ones add work; on the caller's thread less than in all (the emitter's is elsewhere)
-        assert row["added_per_call"] > 0 and row["caller_added_per_call"] > 0, name
+        assert row["added_percent"] == pytest.approx(100 * row["added_per_call"] / row["plain_per_call"])
+        # every thread: the request's spans and metrics are built (each record() alone is tens of thousands)
+        assert row["added_per_call"] > 1e6, name
+        # the caller's thread pays less than every thread: the background emitter builds them
         assert row["caller_added_per_call"] < row["added_per_call"], name
     assert rows["all-step-spans"]["spans_per_call"] == 17 and rows["unsampled"]["spans_per_call"] == 0
     err = capsys.readouterr().err

@@ -1,5 +1,5 @@
 """``otel-generate bench --instructions`` without valgrind or a model: bad inputs exit 2 before valgrind
-runs, the error without valgrind, the configurations' order, and the difference method read from callgrind
+runs, the error without valgrind, the configurations' order, and the paired counts read from callgrind
 dumps."""
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from tests.helpers.bench import run_cli
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--calls-low", "3", "--calls-high", "3"], "--calls-high must be above --calls-low"),
-        (["--calls-low", "-1"], "--calls-low must be 0 or more"),
-        (["--configurations", "plain,fast"], "--configurations: unknown 'fast'"),
+        (["--pairs", "0"], "--pairs must be at least 1"),
+        (["--configurations", "unsampled,fast"], "--configurations: unknown 'fast'"),
         (["--new-tokens", "0"], "--new-tokens must be at least 1"),
         (["--compare"], "--instructions is a mode of its own"),
         (["--step-spans", "none"], "--step-spans does not apply to --instructions"),
@@ -42,123 +41,68 @@ def test_without_valgrind_exits_2_and_says_so(monkeypatch, tmp_path, capsys):
     assert instructions.VALGRIND_MISSING in err and not out.exists()
 
 
-def test_configurations_are_kept_in_order_with_plain_first():
-    assert instructions.parse_configurations("unsampled,all-step-spans") == ["plain", "all-step-spans", "unsampled"]
+def test_configurations_are_kept_in_their_table_order():
+    assert instructions.parse_configurations("unsampled,all-step-spans") == ["all-step-spans", "unsampled"]
     assert instructions.parse_configurations(None) == list(instructions.CONFIGURATIONS)
-    assert instructions.parse_configurations("unsampled,plain-sdk") == ["plain", "plain-sdk", "unsampled"]
+    assert "plain" not in instructions.CONFIGURATIONS  # every configuration is paired with plain calls
 
 
-def test_difference_method_from_dumps():
-    config = BenchConfig(instructions=True, calls_low=2, calls_high=6, new_tokens=4)
-    labels = ["plain setup", "plain low", "plain gc after low", "plain high", "plain gc after high", "plain teardown"]
-    labels += [label.replace("plain", "unsampled") for label in labels]
-    # dumps 1..12 (all threads together); low: 2 calls, high: 6 calls
-    dumps = {i + 1: 10_000_000 for i in range(12)}
-    dumps[2], dumps[4] = 2 * 1000 + 50, 6 * 1000 + 50  # plain: 1000 per call + 50 once
-    dumps[8], dumps[10] = 2 * 1130 + 70, 6 * 1130 + 70  # unsampled: 1130 per call + 70 once
+def _process(name, plain, instrumented, view="all", identical=True, steps=4):
+    """What one configuration's process gives: its child result and its dumps, ``plain`` and
+    ``instrumented`` the counts of its pairs' calls (every other dump: set-up, between, teardown)."""
+    labels, dumps = [f"{name} setup"], {1: 10_000_000}
+    for pair, (p, i) in enumerate(zip(plain, instrumented)):
+        for kind, count in (("plain", p), ("instrumented", i), ("between", 5_000_000)):
+            labels.append(f"{name} {kind} {pair}")
+            dumps[len(labels)] = count
+    labels.append(f"{name} teardown")
+    dumps[len(labels)] = 10_000_000
     child = {
-        "configurations": ["plain", "unsampled"],
-        "runs": {
-            name: {"steps": 4, "spans_per_call": 0, "spans_expected_per_call": 0, "outputs_identical": True}
-            for name in ("plain", "unsampled")
-        },
-        "versions": {},
-        "model": "m",
-        "parameters": 1,
-    }
-    doc = instructions.result_document(config, child, dumps, labels)
-    plain, unsampled = doc["configurations"]
-    assert plain["instructions_per_call"] == 1000 and plain["instructions_per_step"] == 250
-    assert unsampled["instructions_per_call"] == 1130
-    assert unsampled["added_per_call"] == 130 and unsampled["added_percent"] == pytest.approx(13.0)
-    assert unsampled["added_per_step"] == 32.5
-    assert "added_over_sdk_per_call" not in unsampled  # plain-sdk did not run
-    text = instructions.summary_text(doc | {"environment": {"torch_threads": 1}, "exporter": "discard"})
-    assert "over plain-sdk" not in text  # no column heading without values under it
-    assert "+13.000%" in text
-
-
-def test_added_over_plain_sdk_when_it_ran():
-    config = BenchConfig(instructions=True, calls_low=2, calls_high=6, new_tokens=4)
-    names = ["plain", "plain-sdk", "unsampled"]
-    parts = ["setup", "low", "gc after low", "high", "gc after high", "teardown"]
-    labels = [f"{name} {part}" for name in names for part in parts]
-    dumps = {i + 1: 10_000_000 for i in range(len(labels))}
-    for block, per_call in enumerate((1000, 1010, 1130)):  # low: 2 calls, high: 6 calls, 50 once each
-        dumps[6 * block + 2], dumps[6 * block + 4] = 2 * per_call + 50, 6 * per_call + 50
-    child = {
-        "configurations": names,
-        "runs": {
-            name: {"steps": 4, "spans_per_call": 0, "spans_expected_per_call": 0, "outputs_identical": True}
-            for name in names
-        },
-        "versions": {},
-        "model": "m",
-        "parameters": 1,
-    }
-    doc = instructions.result_document(config, child, dumps, labels)
-    plain, sdk, unsampled = doc["configurations"]
-    assert sdk["added_per_call"] == 10 and "added_over_sdk_per_call" not in sdk
-    assert unsampled["added_per_call"] == 130
-    assert unsampled["added_over_sdk_per_call"] == 120
-    assert unsampled["added_over_sdk_percent"] == pytest.approx(100 * 120 / 1010)
-    text = instructions.summary_text(doc | {"environment": {"torch_threads": 1}, "exporter": "discard"})
-    assert "over plain-sdk" in text and "+11.881%" in text
-
-
-def _process(name, per_call, sequences, identical=True):
-    """What one configuration's process gives: its child result and its six dumps (2 and 6 calls)."""
-    parts = ["setup", "low", "gc after low", "high", "gc after high", "teardown"]
-    child = {
-        "labels": [f"{name} {part}" for part in parts],
+        "labels": labels,
         "configurations": [name],
         "runs": {
-            name: {
-                "steps": 4,
-                "spans_per_call": 0,
-                "spans_expected_per_call": 0,
-                "outputs_identical": identical,
-                "sequences": sequences,
-            }
+            name: {"steps": steps, "spans_per_call": 1, "spans_expected_per_call": 1, "outputs_identical": identical}
         },
         "versions": {"torch": "x"},
         "model": "m",
         "parameters": 1,
     }
-    dumps = {number: 10_000_000 for number in range(1, 7)}
-    dumps[2], dumps[4] = 2 * per_call + 50, 6 * per_call + 50
-    return child, dumps
+    return instructions.configuration_counts(child, dumps)
 
 
-def test_one_process_per_configuration_merged_in_order():
-    config = BenchConfig(instructions=True, calls_low=2, calls_high=6, new_tokens=4)
-    processes = [
-        _process("plain", 1000, [[1, 2, 3]]),
-        _process("plain-sdk", 1010, [[1, 2, 3]]),
-        _process("unsampled", 1130, [[1, 2, 3]]),
-    ]
-    child, dumps, labels = instructions.merge_processes(processes)
-    assert child["configurations"] == ["plain", "plain-sdk", "unsampled"]
-    assert labels[6:8] == ["plain-sdk setup", "plain-sdk low"] and sorted(dumps) == list(range(1, 19))
-    assert dumps[14] == 2 * 1130 + 50  # unsampled's low part, numbered on after the first two processes
-    assert "sequences" not in child["runs"]["unsampled"] and child["versions"] == {"torch": "x"}
-    doc = instructions.result_document(config, child, dumps, labels)
-    plain, sdk, unsampled = doc["configurations"]
-    assert plain["instructions_per_call"] == 1000 and sdk["added_per_call"] == 10
-    assert unsampled["added_per_call"] == 130 and unsampled["added_over_sdk_per_call"] == 120
-    assert all(row["outputs_identical"] for row in doc["configurations"])
-    assert doc["method"].startswith("one process per configuration")
+def test_paired_counts_give_the_added_work_per_call_for_each_thread_view():
+    config = BenchConfig(instructions=True, pairs=3, new_tokens=4)
+    counts = {
+        ("unsampled", "all"): _process("unsampled", [1000, 1010, 990], [1130, 1160, 1120]),
+        ("unsampled", "caller"): _process("unsampled", [900, 905, 895], [910, 905, 915]),
+    }
+    assert counts[("unsampled", "all")]["plain"] == [1000, 1010, 990]
+    doc = instructions.result_document(config, counts)
+    (row,) = doc["configurations"]
+    assert row["plain_per_call"] == 1000 and row["instructions_per_call"] == pytest.approx(3410 / 3)
+    assert row["added_per_call"] == pytest.approx(410 / 3)  # 130, 150, 130
+    assert (row["added_min_per_call"], row["added_median_per_call"], row["added_max_per_call"]) == (130, 130, 150)
+    assert row["added_percent"] == pytest.approx(100 * (410 / 3) / 1000)
+    assert row["added_per_step"] == pytest.approx(410 / 3 / 4)
+    assert row["caller_plain_per_call"] == 900 and row["caller_added_per_call"] == pytest.approx(10)
+    assert (row["caller_added_min_per_call"], row["caller_added_max_per_call"]) == (0, 20)
+    assert row["outputs_identical"] is True and doc["pairs"] == 3
+    assert doc["method"].startswith("per configuration, two processes")
+    text = instructions.summary_text(doc | {"environment": {"torch_threads": 1}})
+    assert "the caller's thread" in text and "all threads" in text and "+13.667%" in text and "+1.111%" in text
 
 
-def test_outputs_compared_with_plain_across_processes():
-    processes = [
-        _process("plain", 1000, [[1, 2, 3]]),
-        _process("all-step-spans", 1500, [[1, 2, 4]]),  # another output than plain's
-        _process("unsampled", 1130, [[1, 2, 3]], identical=False),  # its own calls disagreed
-    ]
-    child, _, _ = instructions.merge_processes(processes)
-    identical = {name: run["outputs_identical"] for name, run in child["runs"].items()}
-    assert identical == {"plain": True, "all-step-spans": False, "unsampled": False}
+def test_outputs_must_match_plain_in_both_processes():
+    config = BenchConfig(instructions=True, pairs=1, new_tokens=4)
+    counts = {
+        ("all-step-spans", "all"): _process("all-step-spans", [1000], [1500]),
+        ("all-step-spans", "caller"): _process("all-step-spans", [900], [950], identical=False),
+    }
+    (row,) = instructions.result_document(config, counts)["configurations"]
+    assert row["outputs_identical"] is False
+    assert "some instrumented outputs differ" in instructions.summary_text(
+        instructions.result_document(config, counts) | {"environment": {"torch_threads": 1}}
+    )
 
 
 def test_a_failed_process_names_its_configuration_and_exits_2(monkeypatch, tmp_path, capsys):
@@ -177,9 +121,9 @@ def test_a_failed_process_names_its_configuration_and_exits_2(monkeypatch, tmp_p
     monkeypatch.setattr(instructions.shutil, "which", lambda name: "/usr/bin/valgrind")
     monkeypatch.setattr(instructions.subprocess, "Popen", FailingProcess)
     out = tmp_path / "out.json"
-    assert run_cli("--instructions", "--configurations", "plain,unsampled", "--output", str(out)) == 2
+    assert run_cli("--instructions", "--configurations", "all-step-spans,unsampled", "--output", str(out)) == 2
     err = capsys.readouterr().err
-    assert "the process under valgrind for 'plain' failed (exit status 1)" in err and not out.exists()
+    assert "the process under valgrind for 'all-step-spans' failed (exit status 1)" in err and not out.exists()
     # folders of one length for every configuration: the child's arguments move no allocation
     # (two workers: either process may start first, and the other may not start at all)
     assert {len(path) for path in started} == {len(started[0])}
