@@ -223,8 +223,9 @@ def parse_configurations(text: Optional[str]) -> List[str]:
     return [name for name in CONFIGURATIONS if name in chosen]
 
 
-def validate(config: BenchConfig) -> None:
-    """What ``--instructions`` accepts, checked before valgrind starts.
+def validate(config: BenchConfig, check_tools: bool = True) -> None:
+    """What ``--instructions`` accepts, checked before valgrind starts; without ``check_tools``
+    (``--dry-run``) the options only, not whether the SDK and valgrind are installed.
 
     Raises:
         BenchUsageError: naming the first problem (valgrind missing included).
@@ -250,6 +251,8 @@ def validate(config: BenchConfig) -> None:
     if config.calls_high <= config.calls_low:
         raise BenchUsageError(f"--calls-high must be above --calls-low, got {config.calls_high} and {config.calls_low}")
     config.configurations = ",".join(parse_configurations(config.configurations))
+    if not check_tools:
+        return
     require_module(
         "opentelemetry.sdk",
         "--instructions needs the OpenTelemetry SDK: pip install opentelemetry-sdk (the package's [bench] extra)",
@@ -298,8 +301,9 @@ def read_dumps(prefix: str, caller_only: bool = False) -> Dict[int, int]:
     return dumps
 
 
-def run(config: BenchConfig) -> Dict[str, Any]:
+def run(config: BenchConfig, progress: Optional[Any] = None) -> Dict[str, Any]:
     """Run the configurations under callgrind and return the result document (see the module docstring).
+    ``progress`` (:class:`~otel_generate.bench.progress.Progress`) counts the processes done.
 
     Raises:
         BenchUsageError: invalid input, valgrind missing, or the process under valgrind failed.
@@ -318,6 +322,8 @@ def run(config: BenchConfig) -> Dict[str, Any]:
             f"{config.calls_high} calls each; this takes minutes",
             file=sys.stderr,
         )
+        if progress is not None:
+            progress.begin(processes, "callgrind, one process per configuration and thread view", unit="processes")
         children = _Children()
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
         try:
@@ -335,6 +341,10 @@ def run(config: BenchConfig) -> Dict[str, Any]:
                 for index, name in enumerate(names)
                 for view in views[name]
             }
+            if progress is not None:
+                for future in concurrent.futures.as_completed(futures.values()):
+                    future.result()  # a failed process raises here, at once
+                    progress.advance()
             done = {key: future.result() for key, future in futures.items()}
             for name in names:  # a single thread: the caller's count is every thread's
                 done.setdefault((name, "all"), done[(name, "caller")])
