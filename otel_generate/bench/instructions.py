@@ -26,7 +26,7 @@ land decides which lookups collide, and every miss walks the classes' dictionari
 configuration started the same way repeats to the instruction (plain, tiny GPT-2, 128 tokens:
 560,569,280.375 twice); started from another folder, or as another configuration that allocates
 differently before its calls, its count moves by up to about 2 M instructions per call (0.4 %;
-BENCHMARKS.md, issue 18 session 9). An added figure below that size is not resolved by one run.
+the method notes of BENCHMARKS.md). An added figure below that size is not resolved by one run.
 
 The process marks the borders between these parts by calling ``os.getloadavg()`` (libc's
 ``getloadavg``, which nothing else calls here): callgrind runs with
@@ -142,7 +142,7 @@ SINGLE_THREADED_VIEWS = ("caller",)
 #: A second thread makes glibc take its multi-threaded mutex paths (``__pthread_mutex_unlock_usercnt``
 #: +0.49 M instructions per call of the tiny GPT-2, ``pthread_mutex_lock`` -0.16 M, in every run
 #: that separated it); the rest of what ``plain-sdk`` reads over ``plain`` (+10,412 to +2.1 M per call
-#: in fresh processes, BENCHMARKS.md issue 18 session 9) is the layout term of the module docstring.
+#: in fresh processes) is the layout term of the module docstring.
 PROVIDERS_ONLY = frozenset({"plain-sdk"})
 DEFAULT_NEW_TOKENS = 128
 DEFAULT_CALLS_LOW = 2
@@ -188,7 +188,7 @@ HASH_SEED_ENV = {"PYTHONHASHSEED": "0"}
 #: (``tiny GPT-2``, 128 tokens), a provider whose processor has the 5 s timer, uninstrumented, added
 #: +0.26 M instructions per call to plain ``generate()``, and the unsampled configuration read
 #: +2.6 M added per call with the 5 s timer against +2.0 M with this delay (means of the 5-6
-#: calls after the first, one callgrind dump per call, ``benchmarks/callgrind_each_call.py``).
+#: calls after the first, counted with one callgrind dump per call).
 EXPORT_DELAY_MILLIS = 86_400_000
 
 
