@@ -170,10 +170,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--instructions",
         action="store_true",
-        help="count instructions instead of time: valgrind's callgrind, one process, each configuration set up "
-        "once, (Ir(--calls-high calls) - Ir(--calls-low calls)) / (high - low) per call; plain, plain with the "
-        "SDK set up, instrumented (the --compare configurations) and unsampled; BLAS/OpenMP on one thread; "
-        "needs valgrind",
+        help="count instructions instead of time: valgrind's callgrind, each configuration (--configurations) in "
+        "processes of its own, the caller's thread and all threads apart, set up once and counted from after the "
+        "warmup: (Ir(--calls-high calls) - Ir(--calls-low calls)) / (high - low) per call; BLAS/OpenMP on one "
+        "thread; needs valgrind",
     )
     parser.add_argument(
         "--calls-low",
