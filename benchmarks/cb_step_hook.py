@@ -17,8 +17,12 @@ as CUDA's asynchronous batching: each step launches one batch and updates the pr
 Timings: nanoseconds per step, median over ``--repeats`` of ``--steps`` back-to-back steps, the
 plain originals and the wrapped ones alternating in every repeat, garbage collection off while
 timing; ``added`` is the median of the paired differences. ``--callgrind N`` (given twice, with
-two counts) runs the wrapped steps under valgrind's callgrind, counting only the timed loop,
-and prints ``(Ir(N2) - Ir(N1)) / (N2 - N1)`` instructions per step (needs ``callgrind_control``).
+two counts) runs the wrapped steps under valgrind's callgrind, one process per count, with the
+conventions of ``otel-generate bench --instructions`` (:mod:`otel_generate.bench.instructions`:
+counting turned on by the process itself after its set-up and warm-up, a dump at the marker
+call after the steps, BLAS and OpenMP on one thread, string hashing fixed), and prints
+``(Ir(N2) - Ir(N1)) / (N2 - N1)`` instructions per step (needs valgrind and ``callgrind_control``).
+The JSON on stdout also holds the versions and the machine (:mod:`otel_generate.bench.environment`).
 """
 
 from __future__ import annotations
@@ -26,14 +30,17 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import types
 from typing import Any, Callable, Dict, List, Tuple
 
-import callgrind_toggled  # benchmarks/, the script's own folder
-
+from otel_generate.bench import instructions as counting
+from otel_generate.bench.environment import machine, versions
 from otel_generate.integrations import continuous_batching as CB
 
 
@@ -153,26 +160,48 @@ def timings(mode: str, batch_size: int, repeats: int, steps: int) -> Dict[str, A
 # --- instruction counts -------------------------------------------------------------------------------
 
 
-def _child(mode: str, batch_size: int, steps: int, folder: str) -> None:
+def _child(mode: str, batch_size: int, steps: int) -> None:
+    """Under valgrind: set up and warm up uncounted, count ``steps`` wrapped steps, mark the end."""
     manager, state = _instrumented(mode, batch_size)
     for _ in range(3):
         _run(manager, 1000)
         _clear(state)
     gc.disable()
-    callgrind_toggled.counted_stretch(folder, lambda: _run(manager, steps))
+    counting.start_counting()
+    _run(manager, steps)
+    os.getloadavg()  # the marker: callgrind dumps what was counted since counting started
 
 
 def instructions(mode: str, batch_size: int, steps: int) -> int:
-    """Instructions callgrind counts over ``steps`` wrapped steps (plus the fixed cost of the toggling)."""
-    collected = callgrind_toggled.count(__file__, (mode, str(batch_size), str(steps)))
-    if collected is None:
-        raise RuntimeError("callgrind reported no instruction count")
-    return collected
+    """Instructions callgrind counts over ``steps`` wrapped steps (plus the fixed cost of starting to count)."""
+    with tempfile.TemporaryDirectory() as folder:
+        prefix = os.path.join(folder, "callgrind.out")
+        command = [
+            "valgrind",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            f"--dump-before={counting.MARKER}",
+            f"--callgrind-out-file={prefix}",
+            f"--log-file={os.path.join(folder, 'valgrind.log')}",
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            mode,
+            str(batch_size),
+            str(steps),
+        ]
+        env = dict(os.environ, **counting.SINGLE_THREAD_ENV, **counting.HASH_SEED_ENV)
+        env[counting.COUNT_SWITCH_ENV] = "1"
+        subprocess.run(command, env=env, check=True)
+        dumps = counting.read_dumps(prefix)
+    if 1 not in dumps:
+        raise RuntimeError(f"callgrind wrote no dump at the marker (dumps {sorted(dumps)})")
+    return dumps[1]
 
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        _child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        _child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
@@ -193,7 +222,7 @@ def main() -> int:
         else:
             results.append(timings(mode, args.batch_size, args.repeats, args.steps))
         print(json.dumps(results[-1]), file=sys.stderr)
-    json.dump({"python": sys.version.split()[0], "results": results}, sys.stdout, indent=1)
+    json.dump({"versions": versions(), "machine": machine("cpu"), "results": results}, sys.stdout, indent=1)
     print()
     return 0
 

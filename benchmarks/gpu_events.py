@@ -65,6 +65,9 @@ def load(device: str, config_path: str, dtype: str):
 
 def main() -> int:
     args = sys.argv[1:]
+    if args in (["-h"], ["--help"]):
+        print(USAGE + "\n\n" + __doc__)
+        return 0
     if len(args) not in (0, 1, 2, 5):
         raise SystemExit(USAGE)
     device = args[0] if args else "cuda"

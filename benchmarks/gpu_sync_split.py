@@ -40,6 +40,9 @@ ARMS = ("plain", "sync on", "sync off")
 
 def main() -> int:
     usage = "usage: gpu_sync_split.py [DEVICE] [ROUNDS >= 4]"
+    if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):
+        print(f"{usage}\n\n{__doc__}")
+        return 0
     if len(sys.argv) > 3:
         raise SystemExit(usage)
     device = sys.argv[1] if len(sys.argv) > 1 else "cuda"

@@ -28,21 +28,17 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
-import transformers
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from otel_generate import clock
-from otel_generate.bench.environment import cpu_model
+from otel_generate.bench.environment import machine, versions
 from otel_generate.integrations.step_hook import RecordingCriteriaList, StepRecorder
-from otel_generate.version import __version__
 
 TARGET_US = 5.0
 
@@ -161,13 +157,8 @@ def run(
         "benchmark": "step hook: StoppingCriteriaList vs RecordingCriteriaList with a StepRecorder (synchronize=None)",
         "unit": "microseconds per call (one call = one decode step)",
         "target_us": TARGET_US,
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "otel_generate": __version__,
-        },
-        "machine": {"platform": platform.platform(), "cpu": cpu_model(), "nproc": os.cpu_count()},
+        "versions": versions(),
+        "machine": machine("cpu"),
         "threads": threads,
         "repeats": repeats,
         "calls_per_repeat": calls,

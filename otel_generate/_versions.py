@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from importlib import metadata as importlib_metadata
 from typing import Optional
 
@@ -44,7 +45,9 @@ from otel_generate.package import (  # noqa: F401  (the version rule, kept impor
     ENTRY_POINT_NAME,
     INSTRUMENTS_EXTRA,
     dependency_conflict,
+    imported_as_namespace,
     instruments_requirements,
+    namespace_hint,
     satisfies,
 )
 
@@ -71,6 +74,10 @@ def before_auto_instrumentation() -> None:
 
 
 def _before_auto_instrumentation() -> None:
+    hidden = imported_as_namespace(sys.modules.get("otel_generate"))
+    if hidden is not None:  # the loader will fail to load the instrumentor: say why, once, before it does
+        _LOG.error("%s", namespace_hint(hidden, instrument=True))
+        return
     if _disabled_by_environment():
         return
     from opentelemetry.instrumentation.dependencies import get_dist_dependency_conflicts

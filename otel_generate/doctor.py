@@ -48,7 +48,6 @@ DESCRIPTION = (
 CONNECT_TIMEOUT_S = 1.0
 TRACED, NOT_TRACED, ABSENT = "traced", "not traced", "not in this transformers"
 INSTALLED, FOUND, MISSING = "installed", "found", "missing"
-NAMESPACE_ERROR = "ImportError: cannot import name 'GenerateInstrumentor' from 'otel_generate' (unknown location)"
 SIGNALS = ("traces", "metrics", "logs")
 _DISTRIBUTIONS = (
     ("torch", "torch"),
@@ -348,19 +347,13 @@ def _reachable(address: Tuple[str, int]) -> bool:
 
 def namespace_hint(folder: Optional[str] = None) -> Optional[str]:
     """The hint for ``import otel_generate`` from ``folder`` (default: the current one) when there it
-    finds a folder ``otel_generate`` without ``__init__.py`` (imported as a namespace package), else ``None``."""
+    would find a folder ``otel_generate`` without ``__init__.py`` instead of the installed package
+    (an editable install; :func:`otel_generate.package.namespace_hint`), else ``None``."""
+    from otel_generate import package
+
     folder = os.path.abspath(folder or os.getcwd())
-    spec = importlib.machinery.PathFinder.find_spec("otel_generate", [folder])
-    if spec is None or spec.origin not in (None, "namespace") or not spec.submodule_search_locations:
-        return None
-    where = os.path.join(folder, "otel_generate")
-    return (
-        f"Python started in {folder} (a script there, `python -c`, `python -m`, the REPL) imports {where}, a "
-        f"folder without __init__.py (a clone of this repository, seen from its parent folder), as a namespace "
-        f"package instead of the installed otel_generate, and `from otel_generate import GenerateInstrumentor` "
-        f"fails with: {NAMESPACE_ERROR}. Run your script from another folder (the clone's root works too), or "
-        f"rename the clone's folder."
-    )
+    hidden = package.hidden_by(folder)
+    return None if hidden is None else package.namespace_hint(hidden, started_in=folder)
 
 
 # --- text ---------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from otel_generate.bench.instructions import CONFIGURATIONS, DEFAULT_PAIRS
 from otel_generate.bench.instructions import DEFAULT_NEW_TOKENS as INSTRUCTIONS_NEW_TOKENS
 from otel_generate.bench.monitor import LOAD_PER_CORE_LIMIT
 from otel_generate.bench.plot import MATPLOTLIB_MISSING, PLOT_FORMATS, plot_format
+from otel_generate.bench.progress import Progress, wanted
 from otel_generate.options import STEP_SPAN_POLICIES
 
 PROG = "otel-generate"
@@ -194,6 +195,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="--continuous-batching: requests per run, submitted at once (default 16)",
     )
+    shown = parser.add_mutually_exclusive_group()
+    shown.add_argument(
+        "--progress",
+        action="store_true",
+        help="show progress on stderr (the phase, runs done of the total, the time left) even when stderr is "
+        "not a terminal; on a terminal it is shown without this option",
+    )
+    shown.add_argument(
+        "--quiet",
+        action="store_true",
+        help="show no progress (warnings, such as a busy machine, and the summary are still printed)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the options and print what would run, then exit: no model is built, nothing is timed "
+        "or counted, no device, valgrind or OpenTelemetry SDK is looked for",
+    )
 
 
 def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> BenchConfig:
@@ -248,20 +267,57 @@ def summary_text(result: Dict[str, Any]) -> str:
     return runner.summary_text(result)
 
 
-def run(config: BenchConfig) -> Dict[str, Any]:
+def run(config: BenchConfig, progress: Optional[Progress] = None) -> Dict[str, Any]:
     """The result document of the mode ``config`` asks for (nothing is written here):
     :func:`otel_generate.bench.continuous.run` (``--continuous-batching``),
     :func:`otel_generate.bench.instructions.run` (``--instructions``), else
-    :func:`otel_generate.bench.runner.run` (``generate()``, ``--compare``).
+    :func:`otel_generate.bench.runner.run` (``generate()``, ``--compare``). ``progress`` shows how far it is.
 
     Raises:
         BenchUsageError: invalid input, before anything runs.
     """
     if config.continuous_batching:
-        return continuous.run(config)
+        return continuous.run(config, progress=progress)
     if config.instructions:
-        return instructions.run(config)
-    return runner.run(config)
+        return instructions.run(config, progress=progress)
+    return runner.run(config, progress=progress)
+
+
+def plan_text(config: BenchConfig) -> str:
+    """``--dry-run``: check the options as the mode would before it starts (not the machine: no device,
+    valgrind or SDK is looked for) and say what would run.
+
+    Raises:
+        BenchUsageError: invalid input.
+    """
+    config.validate()
+    if config.instructions:
+        instructions.validate(config, check_tools=False)
+        names = config.configurations.split(",")
+        processes = len(names) * len(instructions.THREAD_VIEWS)
+        what = (
+            f"--instructions: {processes} processes under callgrind ({', '.join(names)}; the caller's thread and "
+            f"all threads apart), {config.pairs} pairs of a plain and an instrumented call each after "
+            f"{config.warmup} warmup pairs"
+        )
+    elif config.continuous_batching:
+        what = (
+            f"--continuous-batching: {config.warmup} warmup and {config.runs} measured pairs of waves of "
+            f"{config.requests} requests ({2 * (config.warmup + config.runs)} waves)"
+        )
+    else:
+        what = (
+            f"{config.warmup} warmup and {config.runs} measured runs"
+            + (f", then --compare: 2 x ({config.warmup} + {config.runs}) pairs" if config.compare else "")
+            + f" ({runner.runs_in_all(config)} generate() calls)"
+        )
+    model = config.model or config.model_config or "the built tiny GPT-2"
+    return (
+        f"otel-generate bench --dry-run: the options are valid; nothing was run\n"
+        f"  {what}\n"
+        f"  device {config.device}, model {model}, {config.dtype}, prompt {config.prompt_tokens} x batch "
+        f"{config.batch_size}, {config.new_tokens} new tokens"
+    )
 
 
 def _write_atomically(path: str, write: Callable[[str], None]) -> None:
@@ -283,15 +339,20 @@ def _write_atomically(path: str, write: Callable[[str], None]) -> None:
         raise
 
 
-def main_bench(config: BenchConfig, stdout: Any = None, stderr: Any = None) -> int:
+def main_bench(config: BenchConfig, stdout: Any = None, stderr: Any = None, progress: Optional[Progress] = None) -> int:
     """Run, then write ``--plot`` and ``--output`` (each atomically) and the summary on stderr.
+    ``progress`` (default: none shown) is ended before the summary is printed.
 
     Returns 0. Raises :class:`~otel_generate.bench.config.BenchUsageError` on invalid input,
     before anything is written.
     """
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
-    result = run(config)
+    try:
+        result = run(config, progress)
+    finally:
+        if progress is not None:
+            progress.close()
     text = json.dumps(result, indent=2)
     if config.plot is not None:
         from otel_generate.bench.plot import plot_latencies
@@ -350,7 +411,11 @@ def build_parser(commands_from: Sequence[Callable[[Any], None]] = ()) -> argpars
 
 def _bench(args: argparse.Namespace, argv: List[str]) -> int:
     try:
-        return main_bench(config_from_args(args, argv))
+        config = config_from_args(args, argv)
+        if args.dry_run:
+            print(plan_text(config))
+            return 0
+        return main_bench(config, progress=Progress(enabled=wanted(args.progress, args.quiet)))
     except BenchUsageError as exc:
         # usage + "otel-generate bench: error: ..." on stderr, SystemExit(2), as argparse does
         args.command_parser.error(str(exc))

@@ -25,6 +25,7 @@ from otel_generate.bench.config import BenchConfig, BenchUsageError, resolve_dev
 from otel_generate.bench.environment import machine, versions
 from otel_generate.bench.exporters import make_exporters
 from otel_generate.bench.monitor import LoadMonitor
+from otel_generate.bench.progress import Progress
 from otel_generate.bench.workload import model_description
 from otel_generate.options import ENV_STEP_SPANS, STEP_SPANS_ALL, STEP_SPANS_NONE
 
@@ -237,19 +238,27 @@ def interleave(
     record: Callable[[Any, float, Any], None],
     monitor: Optional[LoadMonitor] = None,
     label: str = "pair",
+    progress: Optional[Progress] = None,
+    phase: str = "pairs",
 ) -> Pairs:
     """Plain vs instrumented, interleaved A B A B: ``config.warmup`` pairs, then ``config.runs`` pairs.
 
     ``timed()`` makes one timed call and returns ``(its output, seconds)``; plain is
     :meth:`InstrumentedSide.plain`, instrumented :meth:`InstrumentedSide.run` (which finishes the
     deferred work outside the timer). After each measured pair ``record(plain output, plain
-    seconds, instrumented output)`` runs, then ``monitor`` reads the load (``"{label} {n}"``).
+    seconds, instrumented output)`` runs, then ``monitor`` reads the load (``"{label} {n}"``) and
+    ``progress`` counts two runs done (the phase is ``"{phase}, warmup"``, then ``phase``).
     The side is left as it is: the caller shuts it down.
     """
+    progress = progress if progress is not None else Progress()
     exporter, metric_reader = side.exporter, side.metric_reader
+    if config.warmup:
+        progress.phase(f"{phase}, warmup")
     for _ in range(config.warmup):
         side.plain(timed)
         side.run(timed)
+        progress.advance(2)
+    progress.phase(phase)
     spans_before = exporter.spans
     bytes_before = exporter.bytes
     metric_exporter = getattr(metric_reader, "exporter", None)
@@ -267,6 +276,7 @@ def interleave(
         record(out_a, elapsed_a, out_b)
         if monitor is not None:
             monitor.read(f"{label} {pair + 1}")
+        progress.advance(2)
     pairs.spans_exported = exporter.spans - spans_before
     pairs.exported_bytes_total = exporter.bytes
     pairs.exported_bytes = None if exporter.bytes is None else exporter.bytes - bytes_before
@@ -280,15 +290,20 @@ def interleave(
 # --------------------------------------------------------------------------------------------
 
 
-def begin(config: BenchConfig, uninstrumented: bool) -> Tuple[LoadMonitor, str]:
-    """Validate, start the load monitor (first reading ``"start"``), resolve the device; with
-    ``uninstrumented``, refuse a process where ``generate()`` is already instrumented.
+def begin(
+    config: BenchConfig, uninstrumented: bool, progress: Optional[Progress] = None, runs: int = 0
+) -> Tuple[LoadMonitor, str]:
+    """Validate, show ``progress`` (``runs`` in all, phase "set-up"), start the load monitor (first
+    reading ``"start"``; a busy machine is said at once through ``progress``), resolve the device;
+    with ``uninstrumented``, refuse a process where ``generate()`` is already instrumented.
 
     Raises:
         BenchUsageError: invalid input, no CUDA for ``--device cuda``, or generate() instrumented.
     """
     config.validate()
-    monitor = LoadMonitor(own_threads=config.threads)
+    progress = progress if progress is not None else Progress()
+    progress.begin(runs, "set-up (torch, transformers, the model)")
+    monitor = LoadMonitor(own_threads=config.threads, on_busy=progress.say)
     monitor.read("start")
     device = resolve_device(config.device)
     if uninstrumented:

@@ -35,6 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from otel_generate.bench.common import ORDER, InstrumentedSide, begin, document_head, finish, interleave, torch_threads
 from otel_generate.bench.config import BenchConfig, BenchUsageError
 from otel_generate.bench.monitor import LoadMonitor
+from otel_generate.bench.progress import Progress
 from otel_generate.bench.stats import median_iqr_text, with_iqr
 from otel_generate.bench.workload import build_bench_model, check_lengths, make_inputs, max_positions, resolve_eos
 from otel_generate.clock import synchronizer_for
@@ -155,7 +156,9 @@ class _Waves:
         return [list(outputs[rid].generated_tokens) for rid in ids], elapsed, steps
 
 
-def compare_waves(waves: _Waves, monitor: Optional[LoadMonitor] = None) -> Dict[str, Any]:
+def compare_waves(
+    waves: _Waves, monitor: Optional[LoadMonitor] = None, progress: Optional[Progress] = None
+) -> Dict[str, Any]:
     """Plain vs instrumented waves, interleaved A B A B (see the module docstring)."""
     config = waves.config
     side = InstrumentedSide(config, waves.clock, max_queue_size=1 << 16)
@@ -179,7 +182,7 @@ def compare_waves(waves: _Waves, monitor: Optional[LoadMonitor] = None) -> Dict[
 
     waves.start()
     try:
-        pairs = interleave(side, timed, config, record, monitor)
+        pairs = interleave(side, timed, config, record, monitor, progress=progress, phase="continuous batching, pairs")
     finally:
         waves.stop()
         side.shutdown()
@@ -236,18 +239,21 @@ def compare_waves(waves: _Waves, monitor: Optional[LoadMonitor] = None) -> Dict[
     return result
 
 
-def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> Dict[str, Any]:
+def run(
+    config: BenchConfig, clock: Callable[[], float] = time.perf_counter, progress: Optional[Progress] = None
+) -> Dict[str, Any]:
     """Validate, build, then :func:`compare_waves`; return the result document (nothing is written here).
 
     Raises:
         BenchUsageError: invalid input, or a transformers without instrumentable continuous batching.
     """
-    monitor, device = begin(config, uninstrumented=True)
+    # progress: each run is one wave; warmup pairs and measured pairs
+    monitor, device = begin(config, uninstrumented=True, progress=progress, runs=2 * (config.warmup + config.runs))
     with torch_threads(config.threads):
         import torch
 
         waves = _Waves(config, device, clock)
-        compared = compare_waves(waves, monitor)
+        compared = compare_waves(waves, monitor, progress)
         result: Dict[str, Any] = {"mode": "continuous_batching", **document_head(config, device, waves.model)}
         result.update(
             {

@@ -160,7 +160,7 @@ HASH_SEED_ENV = {"PYTHONHASHSEED": "0"}
 #: (``tiny GPT-2``, 128 tokens), a provider whose processor has the 5 s timer, uninstrumented, added
 #: +0.26 M instructions per call to plain ``generate()``, and the unsampled configuration read
 #: +2.6 M added per call with the 5 s timer against +2.0 M with this delay (means of the 5-6
-#: calls after the first, one callgrind dump per call, ``benchmarks/callgrind_each_call.py``).
+#: calls after the first, counted with one callgrind dump per call).
 EXPORT_DELAY_MILLIS = 86_400_000
 
 
@@ -194,8 +194,9 @@ def parse_configurations(text: Optional[str]) -> List[str]:
     return [name for name in CONFIGURATIONS if name in names]
 
 
-def validate(config: BenchConfig) -> None:
-    """What ``--instructions`` accepts, checked before valgrind starts.
+def validate(config: BenchConfig, check_tools: bool = True) -> None:
+    """What ``--instructions`` accepts, checked before valgrind starts; without ``check_tools``
+    (``--dry-run``) the options only, not whether the SDK and valgrind are installed.
 
     Raises:
         BenchUsageError: naming the first problem (valgrind missing included).
@@ -221,6 +222,8 @@ def validate(config: BenchConfig) -> None:
     if config.warmup < 0:
         raise BenchUsageError(f"--warmup must be 0 or more, got {config.warmup}")
     config.configurations = ",".join(parse_configurations(config.configurations))
+    if not check_tools:
+        return
     require_module(
         "opentelemetry.sdk",
         "--instructions needs the OpenTelemetry SDK: pip install opentelemetry-sdk (the package's [bench] extra)",
@@ -269,8 +272,9 @@ def read_dumps(prefix: str, caller_only: bool = False) -> Dict[int, int]:
     return dumps
 
 
-def run(config: BenchConfig) -> Dict[str, Any]:
+def run(config: BenchConfig, progress: Optional[Any] = None) -> Dict[str, Any]:
     """Run the configurations under callgrind and return the result document (see the module docstring).
+    ``progress`` (:class:`~otel_generate.bench.progress.Progress`) counts the processes done.
 
     Raises:
         BenchUsageError: invalid input, valgrind missing, or the process under valgrind failed.
@@ -288,6 +292,8 @@ def run(config: BenchConfig) -> Dict[str, Any]:
             "plain and instrumented calls each; this takes minutes",
             file=sys.stderr,
         )
+        if progress is not None:
+            progress.begin(processes, "callgrind, one process per configuration and thread view", unit="processes")
         children = _Children()
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
         try:
@@ -305,6 +311,10 @@ def run(config: BenchConfig) -> Dict[str, Any]:
                 for index, name in enumerate(names)
                 for view in THREAD_VIEWS
             }
+            if progress is not None:
+                for future in concurrent.futures.as_completed(futures.values()):
+                    future.result()  # a failed process raises here, at once
+                    progress.advance()
             done = {key: future.result() for key, future in futures.items()}
         except BaseException:  # a configuration failed, or Ctrl-C: start no other, stop those running
             children.stop()

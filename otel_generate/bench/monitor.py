@@ -41,9 +41,20 @@ class LoadMonitor:
     :data:`LOAD_PER_CORE_LIMIT` (0.5). The 1-minute average lags: a neighbour that starts
     seconds before the end shows up only in part. Where ``os.getloadavg`` does not exist, there
     are no readings and no verdict.
+
+    ``on_busy``, when given, is called with the warning's text at the first reading that finds the
+    machine busy, so that it is said at once (the bench prints it on stderr), not only in the report.
     """
 
-    def __init__(self, own_threads: int, cores: Optional[int] = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        own_threads: int,
+        cores: Optional[int] = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_busy: Optional[Callable[[str], None]] = None,
+    ):
+        self.on_busy = on_busy
+        self._told = False
         self.own_threads = int(own_threads)
         self.cores = int(cores or os.cpu_count() or 1)
         self.clock = clock
@@ -60,16 +71,28 @@ class LoadMonitor:
             return
         busy_s = self.clock() - self._origin
         own = self.own_threads * (1.0 - math.exp(-busy_s / 60.0))
-        self.readings.append(
-            {
-                "at": at,
-                "bench_age_s": busy_s,
-                "load_1m": one,
-                "load_5m": five,
-                "load_15m": fifteen,
-                "own_estimate": own,
-                "other_per_core": max(0.0, one - own) / self.cores,
-            }
+        reading = {
+            "at": at,
+            "bench_age_s": busy_s,
+            "load_1m": one,
+            "load_5m": five,
+            "load_15m": fifteen,
+            "own_estimate": own,
+            "other_per_core": max(0.0, one - own) / self.cores,
+        }
+        self.readings.append(reading)
+        if self.on_busy is not None and not self._told and reading["other_per_core"] > LOAD_PER_CORE_LIMIT:
+            self._told = True
+            self.on_busy(f"WARNING: {self.busy_text(reading, now=True)}")
+
+    def busy_text(self, reading: Dict[str, Any], now: bool = False) -> str:
+        """What a busy ``reading`` means for the timings (``now``: said while the bench runs)."""
+        return (
+            f"the machine {'is' if now else 'was'} busy: 1-minute load average {reading['load_1m']:.2f} at "
+            f"{reading['at']} on "
+            f"{self.cores} core(s) is {reading['other_per_core']:.2f} per core besides this bench's own "
+            f"(estimated {reading['own_estimate']:.2f}), above {LOAD_PER_CORE_LIMIT} per core; "
+            f"the timings are likely noisy, rerun on a quiet machine"
         )
 
     def report(self) -> Dict[str, Any]:
@@ -78,12 +101,7 @@ class LoadMonitor:
         busy = None if worst is None else worst["other_per_core"] > LOAD_PER_CORE_LIMIT
         warning = None
         if busy:
-            warning = (
-                f"the machine was busy: 1-minute load average {worst['load_1m']:.2f} at {worst['at']} on "
-                f"{self.cores} core(s) is {worst['other_per_core']:.2f} per core besides this bench's own "
-                f"(estimated {worst['own_estimate']:.2f}), above {LOAD_PER_CORE_LIMIT} per core; "
-                f"the timings are likely noisy, rerun on a quiet machine"
-            )
+            warning = self.busy_text(worst)
         return {
             "source": "os.getloadavg() (1-, 5-, 15-minute averages), read outside the timers",
             "cores": self.cores,

@@ -48,6 +48,7 @@ from typing import Any, Callable, Dict, List, Optional
 from otel_generate.bench.common import ORDER, InstrumentedSide, begin, document_head, finish, interleave, torch_threads
 from otel_generate.bench.config import BenchConfig
 from otel_generate.bench.monitor import LoadMonitor
+from otel_generate.bench.progress import Progress
 from otel_generate.bench.stats import make_sample, median_iqr_text, summarize, with_iqr
 from otel_generate.bench.workload import Runner, sequences_of
 
@@ -94,12 +95,15 @@ def _flush_global_tracer_provider() -> None:
         flush()
 
 
-def measure(runner: Runner, monitor: Optional[LoadMonitor] = None) -> List[Dict[str, Any]]:
+def measure(
+    runner: Runner, monitor: Optional[LoadMonitor] = None, progress: Optional[Progress] = None
+) -> List[Dict[str, Any]]:
     """Warmup, then ``runs`` measured runs under a :class:`~otel_generate.TokenLatencyProfiler`.
 
     These are *profiled* runs (:data:`MEASURED_RUNS`), the ones the headline medians describe.
     After each run, outside the timer, a global SDK tracer provider (if one is set) is flushed
-    so that no span export lands in the next run's timer, and ``monitor`` reads the load.
+    so that no span export lands in the next run's timer, ``monitor`` reads the load and
+    ``progress`` counts the run.
 
     Returns one sample per measured run: :func:`~otel_generate.bench.stats.make_sample` plus the
     instrumentation's ``time_to_first_token_ms``, ``time_per_output_token_ms``,
@@ -108,11 +112,16 @@ def measure(runner: Runner, monitor: Optional[LoadMonitor] = None) -> List[Dict[
     from otel_generate import TokenLatencyProfiler
 
     config = runner.config
+    progress = progress if progress is not None else Progress()
     samples: List[Dict[str, Any]] = []
     with TokenLatencyProfiler() as profiler:
+        if config.warmup:
+            progress.phase("warmup")
         for _ in range(config.warmup):
             runner.generate()
+            progress.advance()
         _flush_global_tracer_provider()
+        progress.phase("measured runs")
         if monitor is not None:
             monitor.read("after warmup")
         for run in range(config.runs):
@@ -136,6 +145,7 @@ def measure(runner: Runner, monitor: Optional[LoadMonitor] = None) -> List[Dict[
             samples.append(sample)
             if monitor is not None:
                 monitor.read(f"run {run + 1}")
+            progress.advance()
     return samples
 
 
@@ -143,7 +153,9 @@ def _ms(seconds: Optional[float]) -> Optional[float]:
     return None if seconds is None else seconds * 1e3
 
 
-def compare(runner: Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str, Any]:
+def compare(
+    runner: Runner, monitor: Optional[LoadMonitor] = None, progress: Optional[Progress] = None
+) -> Dict[str, Any]:
     """Plain vs instrumented ``generate()``, interleaved A B A B; ``runs`` pairs after ``warmup`` pairs.
 
     These runs are separate from the measured (profiled) runs of the headline. Plain is the
@@ -186,15 +198,34 @@ def compare(runner: Runner, monitor: Optional[LoadMonitor] = None) -> Dict[str, 
             so no plain path exists in this process.
     """
     config = runner.config
-    result = _compare_pairs(runner, InstrumentedSide(config, runner.clock), monitor, "pair")
+    result = _compare_pairs(
+        runner, InstrumentedSide(config, runner.clock), monitor, "pair", progress, "compare, instrument() per run"
+    )
     result["instrument_once"] = _compare_pairs(
-        runner, InstrumentedSide(config, runner.clock, once=True), monitor, "instrument-once pair"
+        runner,
+        InstrumentedSide(config, runner.clock, once=True),
+        monitor,
+        "instrument-once pair",
+        progress,
+        "compare, instrumented once",
     )
     return result
 
 
+def runs_in_all(config: BenchConfig) -> int:
+    """The ``generate()`` calls a bench of ``config`` makes: warmup and measured runs, and with
+    ``--compare`` two sets of ``warmup + runs`` pairs (the progress line's total)."""
+    runs = config.warmup + config.runs
+    return runs + (2 * 2 * runs if config.compare else 0)
+
+
 def _compare_pairs(
-    runner: Runner, side: InstrumentedSide, monitor: Optional[LoadMonitor], label: str
+    runner: Runner,
+    side: InstrumentedSide,
+    monitor: Optional[LoadMonitor],
+    label: str,
+    progress: Optional[Progress] = None,
+    phase: str = "compare",
 ) -> Dict[str, Any]:
     import torch
 
@@ -212,7 +243,7 @@ def _compare_pairs(
         plain_rates.append(sum(counts_a) / elapsed_a)
 
     try:
-        pairs = interleave(side, runner.timed, config, record, monitor, label)
+        pairs = interleave(side, runner.timed, config, record, monitor, label, progress, phase)
     finally:
         side.shutdown()
     ratios, ratios_deferred = pairs.ratios()
@@ -272,13 +303,16 @@ def _compare_pairs(
 # --------------------------------------------------------------------------------------------
 
 
-def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> Dict[str, Any]:
+def run(
+    config: BenchConfig, clock: Callable[[], float] = time.perf_counter, progress: Optional[Progress] = None
+) -> Dict[str, Any]:
     """Validate, build, warm up, measure (and compare); return the result document.
 
     Nothing is written here (see :func:`otel_generate.bench.cli.main_bench`). ``torch``'s CPU
     thread count is set to ``config.threads`` for the run and restored afterwards. The load
     average is read throughout (:class:`~otel_generate.bench.monitor.LoadMonitor`); ``warnings``
     lists what makes the numbers less trustworthy (a busy machine, a flush that timed out).
+    ``progress`` shows the phase and the runs done (:func:`runs_in_all` in all).
     The other modes have their own ``run`` (:func:`otel_generate.bench.continuous.run`,
     :func:`otel_generate.bench.instructions.run`); :func:`otel_generate.bench.cli.run` picks the mode.
 
@@ -288,12 +322,12 @@ def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> 
             :func:`~otel_generate.bench.workload.check_lengths`, :func:`~otel_generate.bench.workload.resolve_eos`).
         ValueError: a timed call whose clock did not advance.
     """
-    monitor, device = begin(config, uninstrumented=config.compare)
+    monitor, device = begin(config, uninstrumented=config.compare, progress=progress, runs=runs_in_all(config))
     with torch_threads(config.threads):
         import torch
 
         runner = Runner(config, device, clock=clock)
-        samples = measure(runner, monitor)
+        samples = measure(runner, monitor, progress)
         result: Dict[str, Any] = document_head(config, device, runner.model)
         result.update(
             {
@@ -315,7 +349,7 @@ def run(config: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> 
         )
         result.update(summarize(samples))
         if config.compare:
-            result["compare"] = compare(runner, monitor)
+            result["compare"] = compare(runner, monitor, progress)
         return finish(result, monitor, not config.compare or result["compare"]["flushes_complete"])
 
 

@@ -62,3 +62,33 @@ def test_opentelemetry_instrument_prints_request_and_step_spans():
     assert float(ttft_line.split(":")[1].split()[0]) == pytest.approx(
         attrs[A.GENERATE_TIME_TO_FIRST_TOKEN] * 1e3, abs=6e-4
     )
+
+
+def test_started_in_a_clones_parent_folder_the_hook_says_why_the_instrumentor_cannot_load(tmp_path):
+    """opentelemetry-instrument puts the current folder first on PYTHONPATH; there a folder ``otel_generate``
+    without ``__init__.py`` (a clone's root) becomes a namespace package ahead of an editable install. The
+    ``opentelemetry_pre_instrument`` hook runs from the installed package all the same, and says so."""
+    (tmp_path / "otel_generate").mkdir()
+    instrument = pathlib.Path(sys.executable).with_name("opentelemetry-instrument")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k != "PYTHONPATH"}
+    env.update(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none")
+    code = "import otel_generate; print('imported', otel_generate.__file__)"
+    done = subprocess.run(
+        [str(instrument), sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    hint = f"there `import otel_generate` finds {tmp_path / 'otel_generate'}, a folder without __init__.py"
+    if done.stdout.strip() == "imported None":  # hidden: the editable install CI and the Quick start use
+        assert "otel_generate: opentelemetry-instrument puts the current folder" in done.stderr
+        assert hint in done.stderr
+        assert "ImportError: cannot import name 'GenerateInstrumentor' from 'otel_generate' (unknown location)" in (
+            done.stderr
+        )
+        assert done.stderr.index(hint) < done.stderr.index("Instrumenting of transformers_generate failed")
+    else:  # a regular install is found on the path itself and is not hidden: nothing to say
+        assert done.stdout.startswith("imported ") and hint not in done.stderr

@@ -208,8 +208,9 @@ def test_a_busy_machine_is_warned_about_and_every_reading_is_recorded(monkeypatc
     assert load["busy"] is True
     assert doc["warnings"] == [load["warning"]] and "the machine was busy" in load["warning"]
     err = capsys.readouterr().err
-    assert err.startswith("WARNING: the machine was busy: 1-minute load average 6.00")
-    assert "on 2 core(s)" in err
+    # said at once, at the first reading (before the model was built), and again with the summary
+    assert err.startswith("WARNING: the machine is busy: 1-minute load average 6.00 at start on 2 core(s)")
+    assert "\nWARNING: the machine was busy: 1-minute load average 6.00" in err
 
 
 def test_a_quiet_machine_gets_no_warning(monkeypatch, tmp_path, capsys):

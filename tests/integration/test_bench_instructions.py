@@ -23,7 +23,7 @@ def test_instructions_counts_what_the_instrumentation_adds(tmp_path, capsys):
     configurations = ["all-step-spans", "step-spans-none", "unsampled"]
     argv = ["--instructions", "--new-tokens", "16", "--warmup", "2", "--pairs", "4"]
     argv += ["--configurations", ",".join(configurations)]
-    assert run_cli(*argv, "--output", str(out)) == 0
+    assert run_cli(*argv, "--output", str(out), "--progress") == 0
     doc = json.loads(out.read_text())
     rows = {row["configuration"]: row for row in doc["configurations"]}
     assert list(rows) == configurations
@@ -41,3 +41,7 @@ def test_instructions_counts_what_the_instrumentation_adds(tmp_path, capsys):
     assert rows["all-step-spans"]["spans_per_call"] == 17 and rows["unsampled"]["spans_per_call"] == 0
     err = capsys.readouterr().err
     assert "instructions are not time" in err and "the caller's thread" in err and "all-step-spans" in err
+    # --progress: the processes done, from the parent (plain once, each other configuration twice: 7)
+    progress = [line for line in err.splitlines() if line.startswith("otel-generate bench: callgrind")]
+    assert progress[0].startswith("otel-generate bench: callgrind, one process per configuration and thread view: 0/7")
+    assert " 7/7 processes [" in progress[-1], progress

@@ -1,4 +1,4 @@
-"""Edge cases an adversarial review found, each a regression test: exit with background emission,
+"""Edge cases, each a regression test: exit with background emission,
 a nested generate() of the same model, beams whose tokens equal the pad id, Whisper batches,
 instrumentation turned off mid-request, processors added late or raising, foreign wrappers on a
 model class, and a stop string on the last budget position."""

@@ -173,7 +173,7 @@ def test_outliers_of_a_recording_request_are_the_nanosecond_scans_even_at_the_li
     request.step_starts_ns = [end - latency for end, latency in zip(request.step_ends_ns, latencies)]
     assert outliers(latencies, {0}, 0.5) == {3}
     assert derive(request, StepSpanPolicy(STEP_SPANS_ALL, outlier_factor=0.5), spans=True).outliers == {3}
-    # a median of a negative and a positive latency cancels in seconds (a helper found it): the scan
+    # a median of a negative and a positive latency cancels in seconds: the scan
     big = 123_456_789_012
     latencies = [20_000_000, -big, -big, big + 1, big + 1]
     starts = [10**15 + 10**9 * i for i in range(5)]
@@ -187,7 +187,7 @@ def test_outliers_of_a_recording_request_are_the_nanosecond_scans_even_at_the_li
 @pytest.mark.parametrize("factor", [10**400, Decimal(3), Fraction(7, 2), 3])
 def test_a_factor_that_is_not_a_float_gets_the_nanosecond_scan(factor):
     """Options makes the factor a float; a policy built by hand may hold any number that outliers()
-    multiplies (a helper found 10**400 and Decimal raising in the seconds' check)."""
+    multiplies (10**400 and a Decimal would raise in the seconds' check)."""
     request = make([10, 13, 16, 25, 29], [1] * 5, prefill_steps=1)
     expected = outliers([10, 3, 3, 9, 4], {0}, factor)
     assert derive(request, StepSpanPolicy(STEP_SPANS_ALL, outlier_factor=factor), spans=True).outliers == expected

@@ -57,3 +57,41 @@ def _tomllib():
     except ModuleNotFoundError:  # Python 3.10
         tomllib = pytest.importorskip("tomli")
     return tomllib
+
+
+def test_the_pre_instrument_hook_names_a_folder_that_hides_the_package(monkeypatch, caplog, tmp_path):
+    import sys
+    import types
+
+    from otel_generate import _versions, package
+
+    folder = tmp_path / "otel_generate"
+    namespace = types.ModuleType("otel_generate")
+    namespace.__file__ = None
+    namespace.__path__ = [str(folder)]
+    assert package.imported_as_namespace(namespace) == [str(folder)]
+    assert package.imported_as_namespace(sys.modules["otel_generate"]) is None  # the real package
+    monkeypatch.setitem(sys.modules, "otel_generate", namespace)
+    called = []
+    monkeypatch.setattr(_versions, "GenerateInstrumentor", lambda: called.append("instrument"))
+    with caplog.at_level("ERROR", logger="otel_generate"):
+        _versions.before_auto_instrumentation()
+    (record,) = caplog.records
+    assert record.levelname == "ERROR" and f"finds {folder}, a folder without __init__.py" in record.getMessage()
+    assert package.NAMESPACE_ERROR in record.getMessage() and "Run from another folder" in record.getMessage()
+    assert called == []  # nothing else is tried
+
+
+def test_doctor_names_a_hiding_folder_only_where_no_regular_package_is_found(tmp_path, monkeypatch):
+    import sys
+
+    from otel_generate import package
+
+    (tmp_path / "clone" / "otel_generate").mkdir(parents=True)
+    regular = tmp_path / "site" / "otel_generate"
+    regular.mkdir(parents=True)
+    (regular / "__init__.py").write_text("")
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "elsewhere")])
+    assert package.hidden_by(str(tmp_path / "clone")) == [str(tmp_path / "clone" / "otel_generate")]
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "site")])  # a regular install on the path wins
+    assert package.hidden_by(str(tmp_path / "clone")) is None
