@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -312,12 +313,14 @@ def test_build_says_when_it_waits_on_another_builds_lock(binaries, tmp_path):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            # its own process group: build.sh waits in a child `flock`, which holds the pipes open
+            start_new_session=True,
         )
         line = waiting.stderr.readline()
         assert "waiting for another collector/build.sh" in line and "build.lock" in line, line
     finally:
         if waiting is not None:
-            waiting.kill()
+            os.killpg(waiting.pid, signal.SIGKILL)
             waiting.communicate(timeout=30)
         lock.kill()
         lock.wait(timeout=10)
