@@ -50,6 +50,7 @@ def test_links_are_found():
     assert "docs/contract.md" in _links(README)
     assert "images/phoenix-trace.png" in _links(ROOT / "docs" / "backends.md")
     assert "images/jaeger-trace.png" in _links(ROOT / "docs" / "backends.md")
+    assert "images/serve-trace.png" in _links(ROOT / "docs" / "serving.md")
 
 
 def test_slug_matches_githubs_rule():
