@@ -408,9 +408,11 @@ def flush(
             late.append(f"{signal} within {bound:g} s")
     if late:
         _LOG.warning(
-            "otel_generate: flushing %s did not finish (%s, the exporter's timeout); what was still queued is lost",
+            "otel_generate: flushing %s did not finish (%s, %s); what was still queued %s",
             reason or "telemetry",
             ", ".join(late),
+            "the exporter's timeout" if bound_s is None else "the time given",
+            "is lost" if shutdown else "is still queued in the provider",
         )
         return False
     return True
@@ -425,7 +427,9 @@ def _run_flush(signal: str, provider: Any, bound_s: float, shut_down: bool = Tru
             except TypeError:
                 shutdown()  # TracerProvider does not
         else:
-            provider.force_flush(timeout_millis=int(bound_s * 1000))
+            force_flush = getattr(provider, "force_flush", None)
+            if callable(force_flush):  # (a provider with shutdown() only has nothing to flush but stop)
+                force_flush(timeout_millis=int(bound_s * 1000))
     except Exception as exc:  # an exporter's fault is logged, never raised into an exiting worker
         _warn_once(
             ("flush", signal, type(exc)), "otel_generate: flushing %s failed (%s: %s)", signal, type(exc).__name__, exc

@@ -57,26 +57,34 @@ class BackgroundEmitter:
         max_pending: at most this many jobs wait; :meth:`submit` refuses more (never blocks).
         on_drop: called with no argument for each job refused (the dropped-requests counter);
             its own faults are logged once.
-        before_job: called on the worker thread before each job (the instrumentor wraps the
-            flush of a provider set after ``instrument()``); its faults are logged once.
+        before_submit: called on the submitting thread before each job is queued (the
+            instrumentor wraps the flush of a provider set after ``instrument()``, so that the
+            provider's own ``force_flush`` drains the job once ``generate()`` has returned); its
+            faults are logged once.
+
+    A job that cannot be handed to the worker (its thread cannot start: the interpreter is
+    shutting down, or no thread can be created) runs on the submitting thread instead.
     """
 
     def __init__(
         self,
         max_pending: int = DEFAULT_MAX_PENDING,
         on_drop: Optional[Callable[[], None]] = None,
-        before_job: Optional[Callable[[], None]] = None,
+        before_submit: Optional[Callable[[], None]] = None,
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
         self.max_pending = max_pending
         self.dropped = 0
         self.on_drop = on_drop
-        self.before_job = before_job
+        self.before_submit = before_submit
         self._unreported = 0  # dropped since the last warning
         self._last_report: Optional[float] = None  # time.monotonic() of the last warning
+        self._last_undrained: Optional[float] = None  # ... of the last warning of a drain run out of time
         self._jobs: Deque[Callable[[], None]] = collections.deque()
         self._busy = False
+        self._queued = 0  # jobs queued so far; a drain waits for those queued before it, not later ones
+        self._done = 0  # of them, run
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._idle = threading.Condition(self._lock)
@@ -89,7 +97,8 @@ class BackgroundEmitter:
         def drain_at_exit() -> None:  # registered after the providers' own exit-time shutdown: runs first
             emitter = reference()
             if emitter is not None:
-                emitter.drain()
+                if not emitter.drain():
+                    emitter.report_undrained("at exit")
                 emitter.report_drops(final=True)
 
         self._drain_at_exit = drain_at_exit
@@ -98,9 +107,16 @@ class BackgroundEmitter:
     def submit(self, job: Callable[[], None]) -> bool:
         """Queue ``job`` (a callable without arguments); False when the queue was full (counted).
 
-        After :meth:`stop`, the job runs at once on the caller's thread (a request that was in
-        flight when the instrumentation was turned off is still emitted).
+        After :meth:`stop`, or when the worker thread cannot start, the job runs at once on the
+        caller's thread (a request that was in flight when the instrumentation was turned off is
+        still emitted).
         """
+        before = self.before_submit
+        if before is not None:
+            try:
+                before()
+            except Exception as fault:
+                log_fault_once(Fault.BACKGROUND_EMISSION, fault)
         with self._lock:
             if os.getpid() != self._pid:  # a forked child (without the fork hook): not ours
                 self._forget_parent()
@@ -110,10 +126,12 @@ class BackgroundEmitter:
                 self.dropped += 1
                 self._unreported += 1
             elif not stopped:
+                thread = self._thread
+                if thread is None or not thread.is_alive():
+                    stopped = not self._start_worker()
+            if not full and not stopped:
                 self._jobs.append(job)
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="otel_generate-emitter", daemon=True)
-                    self._thread.start()
+                self._queued += 1
                 self._wake.notify()
                 return True
         if stopped:
@@ -130,6 +148,37 @@ class BackgroundEmitter:
                 log_fault_once(Fault.BACKGROUND_EMISSION, fault)
         self.report_drops()
         return False
+
+    def _start_worker(self) -> bool:
+        """Start the worker thread (the lock held); False, logged once, when it cannot start."""
+        thread = threading.Thread(target=self._run, name="otel_generate-emitter", daemon=True)
+        try:
+            thread.start()
+        except Exception as fault:  # RuntimeError: at interpreter shutdown, or no thread can be created
+            self._thread = None
+            log_fault_once(Fault.BACKGROUND_EMISSION, fault)
+            return False
+        self._thread = thread
+        return True
+
+    def report_undrained(self, when: str) -> None:
+        """The warning for requests a drain left behind (its time ran out): their telemetry is
+        not emitted by then, and at exit never. At most once per :data:`DROP_LOG_INTERVAL_S`, but
+        always at exit."""
+        left, now = self.pending(), time.monotonic()
+        with self._lock:
+            last = self._last_undrained
+            if not left or (when != "at exit" and last is not None and now - last < DROP_LOG_INTERVAL_S):
+                return
+            self._last_undrained = now
+        if left:
+            _LOG.warning(
+                "otel_generate: the background emitter still held %d finished request(s) %s: their telemetry was "
+                "not emitted in time%s",
+                left,
+                when,
+                " and is lost" if when == "at exit" else "",
+            )
 
     def report_drops(self, final: bool = False) -> None:
         """The warning for the requests dropped since the last one: at once for the first, then at
@@ -166,19 +215,23 @@ class BackgroundEmitter:
         self._idle = threading.Condition(self._lock)
         self._jobs.clear()
         self._thread, self._busy, self._pid = None, False, os.getpid()
-        self._unreported = 0
+        self._queued = self._done = 0
+        # the child's own drops are its own to count and report, at once for the first
+        self.dropped, self._unreported, self._last_report = 0, 0, None
 
     def pending(self) -> int:
         with self._lock:
             return len(self._jobs) + (1 if self._busy else 0)
 
     def drain(self, timeout_s: Optional[float] = None) -> bool:
-        """Wait until every queued job ran, at most ``timeout_s`` seconds; True when it did."""
+        """Wait until every job queued before this call ran (not those queued while it waits), at
+        most ``timeout_s`` seconds; True when they did."""
         deadline = time.monotonic() + (DEFAULT_DRAIN_TIMEOUT_S if timeout_s is None else timeout_s)
         with self._lock:
             if self._thread is threading.current_thread():
                 return not self._jobs  # a job that flushes the provider must not wait for itself
-            while self._jobs or self._busy:
+            target = self._queued
+            while self._done < target:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._thread is None or not self._thread.is_alive():
                     return False
@@ -203,20 +256,14 @@ class BackgroundEmitter:
                 job = self._jobs.popleft()
                 self._busy = True
             try:
-                before = self.before_job
-                if before is not None:
-                    try:
-                        before()
-                    except Exception as fault:
-                        log_fault_once(Fault.BACKGROUND_EMISSION, fault)
                 job()
             except Exception as fault:  # a job never kills the worker
                 log_fault_once(Fault.BACKGROUND_EMISSION, fault)
             finally:
                 with self._lock:
                     self._busy = False
-                    if not self._jobs:
-                        self._idle.notify_all()
+                    self._done += 1
+                    self._idle.notify_all()
             time.sleep(0)  # yield the interpreter lock to the producer
 
 
@@ -242,12 +289,25 @@ def _timeout_s(args: tuple, kwargs: dict) -> Optional[float]:
 
 
 def make_draining(original: Callable, emitter: BackgroundEmitter) -> Callable:
-    """A provider's ``force_flush``/``shutdown`` that first waits for the emitter's queue (at most
-    the call's ``timeout_millis``, when it gives one), then runs the provider's own."""
+    """A provider's ``force_flush``/``shutdown`` that first waits for the emitter's queue, then
+    runs the provider's own. A call that gives ``timeout_millis`` keeps to it in all: the drain
+    waits at most that long and the provider's own call gets what is left. A ``force_flush``
+    that says it finished (``True``) says ``False`` when the drain did not."""
 
     @functools.wraps(original)
     def draining(self, *args, **kwargs):
-        emitter.drain(_timeout_s(args, kwargs))
-        return original(self, *args, **kwargs)
+        timeout_s = _timeout_s(args, kwargs)
+        started = time.monotonic()
+        drained = emitter.drain(timeout_s)
+        if not drained:
+            emitter.report_undrained(f"when {type(self).__name__}.{original.__name__} was called")
+        if timeout_s is not None:
+            left_millis = max(0, int((timeout_s - (time.monotonic() - started)) * 1000))
+            if args:
+                args = (left_millis,) + tuple(args[1:])
+            else:
+                kwargs = dict(kwargs, timeout_millis=left_millis)
+        result = original(self, *args, **kwargs)
+        return False if result is True and not drained else result
 
     return draining

@@ -158,7 +158,7 @@ READS: Dict[str, Tuple[str, ...]] = {
 }
 # fmt: on
 
-_EMITTER_LOCK = threading.Lock()
+_EMITTER_LOCK = threading.RLock()
 #: Per set of patches (one ``instrument()``): the points a WARNING already named.
 _WARNED: "weakref.WeakKeyDictionary[Patches, set]" = weakref.WeakKeyDictionary()
 
@@ -428,35 +428,43 @@ def wrap_provider_flushes(patches: Patches, telemetry: Telemetry, rows: Optional
     if emitter is None:
         return
     in_use = _providers_in_use(telemetry)
-    last = telemetry.wrapped_providers
-    if len(last) == len(in_use) and all(a[1] is b[1] for a, b in zip(last, in_use)):
-        return  # (before each background job: the same providers as last time)
-    if last:  # a provider set after the emitter started: its exit-time shutdown must run after the drain
-        emitter.drain_at_exit_before_providers()
-    telemetry.wrapped_providers = in_use
-    providers = dict(in_use)
-    for row in rows:
-        provider = providers.get(row.owner)
-        if provider is None or not callable(getattr(provider, row.attribute, None)):
-            continue
-        owner = next((klass for klass in type(provider).__mro__ if row.attribute in vars(klass)), None)
-        if owner is not None and owner is not object and not patches.is_installed(owner, row.attribute):
-            patches.replace(owner, row.attribute, _factory(row.factory), emitter)
+    if _same_providers(telemetry.wrapped_providers, in_use):
+        return  # (before each request handed to the emitter: the same providers as last time)
+    with _EMITTER_LOCK:  # callers on several threads may meet a new provider at once
+        last = telemetry.wrapped_providers
+        if _same_providers(last, in_use):
+            return
+        if last:  # a provider set after the emitter started: its exit-time shutdown must run after the drain
+            emitter.drain_at_exit_before_providers()
+        providers = dict(in_use)
+        for row in rows:
+            provider = providers.get(row.owner)
+            if provider is None or not callable(getattr(provider, row.attribute, None)):
+                continue
+            owner = next((klass for klass in type(provider).__mro__ if row.attribute in vars(klass)), None)
+            if owner is not None and owner is not object and not patches.is_installed(owner, row.attribute):
+                patches.replace(owner, row.attribute, _factory(row.factory), emitter)
+        telemetry.wrapped_providers = in_use
+
+
+def _same_providers(last: tuple, in_use: tuple) -> bool:
+    return len(last) == len(in_use) and all(a[1] is b[1] for a, b in zip(last, in_use))
 
 
 def start_emitter(patches: Patches, telemetry: Telemetry) -> Any:
     """The background emitter (created once), with the providers in use draining it first (the
     ``"emitter"`` rows of :data:`PATCHES`), also a global provider set after ``instrument()``
-    (checked on the emitter's thread before each job)."""
+    (checked on the caller's thread before each request is handed over, so that the provider's own
+    ``force_flush`` after ``generate()`` returns drains it)."""
     with _EMITTER_LOCK:
         if telemetry.emitter is None:
             from otel_generate.background import BackgroundEmitter
 
-            def before_job() -> None:
+            def before_submit() -> None:
                 if telemetry.active:
                     wrap_provider_flushes(patches, telemetry)
 
-            telemetry.emitter = BackgroundEmitter(on_drop=telemetry.count_dropped, before_job=before_job)
+            telemetry.emitter = BackgroundEmitter(on_drop=telemetry.count_dropped, before_submit=before_submit)
             install(patches, telemetry, when=("emitter",))
     return telemetry.emitter
 

@@ -160,7 +160,12 @@ class Telemetry:
         """Wait until the background emitter has emitted every request handed to it (at most
         ``timeout_s``); True when it did, or when there is no emitter."""
         emitter = self.emitter
-        return True if emitter is None else emitter.drain(timeout_s)
+        if emitter is None:
+            return True
+        drained = emitter.drain(timeout_s)
+        if not drained:
+            emitter.report_undrained("when a flush's time ran out")
+        return drained
 
     def count_dropped(self) -> None:
         """One finished request the background emitter's full queue refused (its telemetry is lost)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 
 def test_a_full_background_queue_drops_and_counts(caplog):
     from otel_generate.background import BackgroundEmitter
@@ -156,3 +158,174 @@ def test_force_flush_drains_then_flushes_any_provider_with_force_flush():
             assert "timeout_s must be a positive number" in str(error)
         else:
             raise AssertionError(f"force_flush({bad!r}) did not raise")
+
+
+def test_a_worker_that_cannot_start_runs_the_job_on_the_caller_and_starts_next_time(monkeypatch, caplog):
+    from otel_generate import _faults
+    from otel_generate.background import BackgroundEmitter
+
+    _faults._logged_kinds.discard(_faults.Fault.BACKGROUND_EMISSION)
+    original = threading.Thread.start
+    failures = [1]
+
+    def start(self):
+        if self.name == "otel_generate-emitter" and failures:
+            failures.pop()
+            raise RuntimeError("can't start new thread")
+        return original(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    emitter = BackgroundEmitter()
+    ran = []
+    assert emitter.submit(lambda: ran.append(threading.current_thread().name))  # must not raise
+    assert ran == [threading.current_thread().name]  # emitted on the caller's thread, not lost
+    assert "can't start new thread" in caplog.text
+    assert emitter.submit(lambda: ran.append(threading.current_thread().name))  # the worker starts now
+    assert emitter.drain(5.0)
+    assert ran[1] == "otel_generate-emitter"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_worker_is_started_again():
+    from otel_generate.background import BackgroundEmitter
+
+    emitter = BackgroundEmitter()
+
+    def fatal():
+        raise SystemExit  # a BaseException: ends the worker thread
+
+    assert emitter.submit(fatal)
+    emitter._thread.join(5.0)
+    assert not emitter._thread.is_alive()
+    ran = []
+    assert emitter.submit(lambda: ran.append(1))
+    assert emitter.drain(5.0) and ran == [1]
+
+
+def test_a_drain_waits_for_the_jobs_queued_before_it_not_for_later_ones():
+    from otel_generate.background import BackgroundEmitter
+
+    emitter = BackgroundEmitter()
+    release = _blocked(emitter)
+    ran = []
+    emitter.submit(lambda: ran.append("before"))
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(emitter.drain(10.0)))
+    waiter.start()
+    time.sleep(0.05)
+
+    jobs = [0]
+
+    def steady():  # a steady load: each job queues another while the drain waits
+        jobs[0] += 1
+        if jobs[0] < 200:
+            time.sleep(0.01)
+            emitter.submit(steady)
+
+    emitter.submit(steady)
+    release.set()
+    waiter.join(10.0)
+    assert result == [True] and "before" in ran
+    assert emitter.pending() > 0  # it returned while later jobs still ran: it did not wait for an empty queue
+    assert emitter.drain(10.0)
+
+
+def test_a_wrapped_flush_keeps_to_its_timeout_and_reports_an_unfinished_drain(caplog):
+    from otel_generate.background import BackgroundEmitter, make_draining
+
+    emitter = BackgroundEmitter()
+    release = _blocked(emitter)
+    emitter.submit(lambda: None)
+    given = []
+
+    class Provider:
+        def force_flush(self, timeout_millis=30_000):
+            given.append(timeout_millis)
+            return True
+
+    flush = make_draining(Provider.force_flush, emitter)
+    started = time.monotonic()
+    assert flush(Provider(), timeout_millis=300) is False  # its own flush finished, the drain did not
+    assert time.monotonic() - started < 0.6
+    assert given[0] <= 100  # what was left of the 300 ms after the drain waited
+    assert flush(Provider(), 300) is False and given[1] <= 100  # positional too
+    assert "still held 2 finished request(s)" in caplog.text
+    assert caplog.text.count("still held") == 1  # at most once an interval
+    release.set()
+    assert flush(Provider(), timeout_millis=5000) is True and given[2] > 4000
+
+
+def test_an_exit_drain_that_runs_out_of_time_says_what_is_lost(caplog, monkeypatch):
+    from otel_generate import background
+
+    monkeypatch.setattr(background, "DEFAULT_DRAIN_TIMEOUT_S", 0.2)
+    emitter = background.BackgroundEmitter()
+    release = _blocked(emitter)
+    emitter.submit(lambda: None)
+    emitter.submit(lambda: None)
+    emitter._drain_at_exit()
+    assert (
+        "still held 3 finished request(s) at exit: their telemetry was not emitted in time and is lost" in caplog.text
+    )
+    release.set()
+    assert emitter.drain(5.0)
+
+
+def test_a_forked_childs_own_drops_are_warned_at_once_and_counted_from_zero():
+    import json
+    import os
+
+    from otel_generate import background
+
+    emitter = background.BackgroundEmitter(max_pending=1)
+    release = _blocked(emitter)
+    assert emitter.submit(lambda: None)
+    assert not emitter.submit(lambda: None)  # the parent's drop, warned now
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            import io
+            import logging
+
+            log = io.StringIO()
+            handler = logging.StreamHandler(log)
+            logging.getLogger("otel_generate").addHandler(handler)
+            child_release = _blocked(emitter)
+            emitter.submit(lambda: None)
+            emitter.submit(lambda: None)  # the child's own drop
+            child_release.set()
+            emitter.drain(5.0)
+            os.write(write, json.dumps({"dropped": emitter.dropped, "log": log.getvalue()}).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        child = json.loads(pipe.read())
+    os.waitpid(pid, 0)
+    assert child["dropped"] == 1
+    assert "the telemetry of 1 finished request(s) was dropped (1 in all in this process" in child["log"]
+    release.set()
+    assert emitter.drain(5.0)
+
+
+def test_force_flush_of_a_provider_with_shutdown_only_is_quiet(caplog):
+    import logging
+
+    from otel_generate import _lifecycle
+
+    class OnlyShutdown:  # nothing to flush; its shutdown is for the exit, not for force_flush
+        stopped = False
+
+        def shutdown(self):
+            self.stopped = True
+
+    provider = OnlyShutdown()
+    _lifecycle.enable(provider, provider)
+    try:
+        with caplog.at_level(logging.WARNING, logger="otel_generate"):
+            assert _lifecycle.force_flush(2.0) is True
+    finally:
+        _lifecycle.disable()
+    assert not provider.stopped
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
