@@ -124,8 +124,13 @@ def _keep_loader_conflict_out_of_the_log() -> None:
 
 
 def after_auto_instrumentation() -> None:
-    """``opentelemetry_post_instrument`` entry point: removes the filter the pre-instrument hook added."""
+    """``opentelemetry_post_instrument`` entry point: removes the filter the pre-instrument hook added,
+    and keeps the interpreters the application spawns instrumented (:func:`keep_spawned_instrumented`)."""
     global _loader_filter
+    try:
+        keep_spawned_instrumented()
+    except Exception:  # never break the application's start
+        pass
     if _loader_filter is None:
         return
     try:
@@ -133,3 +138,33 @@ def after_auto_instrumentation() -> None:
     except Exception:
         pass
     _loader_filter = None
+
+
+#: the first ``opentelemetry-instrumentation`` release that puts its start-up folder back on
+#: ``PYTHONPATH`` once it has initialized (open-telemetry/opentelemetry-python-contrib#4469)
+KEEPS_PYTHONPATH = "0.63b0"
+
+
+def keep_spawned_instrumented() -> bool:
+    """Under ``opentelemetry-instrument`` of a release before :data:`KEEPS_PYTHONPATH`, put its
+    start-up folder (the one of the ``sitecustomize`` it ran) back on ``PYTHONPATH``, as the newer
+    releases do after initializing: those older ones remove it for good, so an interpreter the
+    application starts afresh (``multiprocessing``'s ``spawn`` and ``forkserver`` workers,
+    ``transformers serve``'s model process) would run uninstrumented. True when it did."""
+    started_by = sys.modules.get("sitecustomize")
+    auto = sys.modules.get("opentelemetry.instrumentation.auto_instrumentation")
+    if started_by is None or auto is None:
+        return False
+    folder = os.path.dirname(os.path.abspath(auto.__file__))
+    if os.path.dirname(os.path.abspath(getattr(started_by, "__file__", "") or "")) != folder:
+        return False  # not started by opentelemetry-instrument
+    from packaging.version import Version
+
+    if Version(importlib_metadata.version("opentelemetry-instrumentation")) >= Version(KEEPS_PYTHONPATH):
+        return False  # it puts the folder back itself
+    current = os.environ.get("PYTHONPATH", "")
+    parts = current.split(os.pathsep) if current else []
+    if folder in parts:
+        return False
+    os.environ["PYTHONPATH"] = os.pathsep.join([folder, *parts])
+    return True

@@ -121,7 +121,13 @@ def _run_pool_app(tmp_path, method, env, tasks=TASKS, workers=2):
 
 @pytest.mark.parametrize(
     "method",
-    ["fork", pytest.param("forkserver", marks=pytest.mark.slow), pytest.param("spawn", marks=pytest.mark.slow)],
+    [
+        "fork",
+        pytest.param("forkserver", marks=pytest.mark.slow),
+        # also on the floor: opentelemetry-instrumentation before 0.63b0 leaves a spawned interpreter
+        # uninstrumented unless this package's post-instrument hook keeps it (_versions.keep_spawned_instrumented)
+        pytest.param("spawn", marks=[pytest.mark.slow, pytest.mark.e2e_short]),
+    ],
 )
 def test_recycled_pool_workers_deliver_every_request_span_under_opentelemetry_instrument(method, tmp_path):
     with OTLPReceiver() as receiver:
