@@ -98,6 +98,24 @@ def _set_flags(service: dict) -> dict:
     return flags
 
 
+def _grpc_listen_port(service: dict) -> int:
+    """The OTLP/gRPC port a compose service listens on: from its ``--set`` flags, else from the
+    configuration file its ``--config`` names (mounted from this repository), where an
+    ``${env:NAME:-default}`` endpoint is read as the service's environment or the default."""
+    flags = _set_flags(service)
+    if "receivers.otlp.protocols.grpc.endpoint" in flags:
+        return _port(flags["receivers.otlp.protocols.grpc.endpoint"])
+    (config_flag,) = [arg for arg in service["command"] if arg.startswith("--config=")]
+    target = config_flag.split("=", 1)[1]
+    (source,) = [str(v).split(":")[0] for v in service["volumes"] if str(v).split(":")[1] == target]
+    config = yaml.safe_load((COMPOSE.parent / source).read_text())
+    endpoint = str(config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"])
+    match = re.fullmatch(r"\$\{env:(\w+):-(.+)\}", endpoint)
+    if match:
+        endpoint = str((service.get("environment") or {}).get(match.group(1), match.group(2)))
+    return _port(endpoint)
+
+
 def _otlp_listen_ports(collector: dict) -> dict:
     protocols = collector["receivers"]["otlp"]["protocols"]
     return {GRPC: _port(protocols["grpc"]["endpoint"]), HTTP: _port(protocols["http"]["endpoint"])}
@@ -184,8 +202,7 @@ def test_collector_exporters_name_compose_services_on_their_otlp_port(compose, c
         host, port = endpoint.rsplit(":", 1)
         assert host in services, f"exporter {name} sends to {host!r}, which is not a compose service"
         # the exporter is OTLP/gRPC: the target must listen for OTLP/gRPC on that port
-        flags = _set_flags(services[host])
-        assert _port(flags["receivers.otlp.protocols.grpc.endpoint"]) == int(port)
+        assert _grpc_listen_port(services[host]) == int(port)
         assert collector["exporters"][name]["tls"]["insecure"] is True
     jaeger = services["jaeger"]
     assert jaeger["image"].startswith("jaegertracing/jaeger:")
