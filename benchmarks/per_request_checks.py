@@ -1,10 +1,14 @@
-"""Microbenchmark of two per-request checks on the ``generate()`` path (none per step):
+"""Microbenchmark of the per-request checks on the ``generate()`` path (none per step):
 
 * ``ranks.placement(model, mode)``: which rank speaks for the call (:mod:`otel_generate.ranks`), in
   a process where ``torch.distributed`` is not initialized and the model is not sharded (the
   common case: a weak-dictionary look-up of the model and ``is_initialized()``);
 * ``cancellation.is_cancellation(exc)``: for a call that returned (``None``) and one that raised
-  an ordinary exception (a walk of its class's MRO).
+  an ordinary exception (a walk of its class's MRO);
+* the background emitter's check, before a finished request is handed over, that the tracer and
+  meter providers in use are those whose flush it wrapped (a provider set after ``instrument()``
+  gets wrapped there): with no global provider set (each look-up then reads the environment), and
+  with the SDK's providers set globally, as ``opentelemetry-instrument`` does.
 
     python benchmarks/per_request_checks.py --repeats 5 --calls 200000
 
@@ -34,6 +38,26 @@ def main() -> None:
         "cancellation.is_cancellation(None)": lambda: cancellation.is_cancellation(None),
         "cancellation.is_cancellation(ValueError)": lambda: cancellation.is_cancellation(error),
     }
+    from opentelemetry import metrics, trace
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from otel_generate import GenerateInstrumentor
+    from otel_generate.instrumentor import start_emitter
+
+    GenerateInstrumentor().instrument()
+    instrumentor = GenerateInstrumentor()
+    emitter = start_emitter(instrumentor.patches, instrumentor.telemetry)
+    emitter.before_submit()  # the providers of now wrapped once: what follows is the check alone
+    cases["providers check, no global provider set"] = emitter.before_submit
+    _report(cases, args)
+    trace.set_tracer_provider(TracerProvider())
+    metrics.set_meter_provider(MeterProvider())
+    emitter.before_submit()
+    _report({"providers check, the SDK's providers set globally": emitter.before_submit}, args)
+
+
+def _report(cases: dict, args: argparse.Namespace) -> None:
     for name, function in cases.items():
         best = min(timeit.repeat(function, number=args.calls, repeat=args.repeats)) / args.calls
         print(f"{name}: {best * 1e9:.0f} ns per call")
