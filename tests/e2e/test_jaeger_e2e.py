@@ -242,7 +242,9 @@ def test_serve_request_in_one_trace_with_the_openai_clients_span(stack, tmp_path
             spans = traces[0]["spans"]
             steps = [s for s in spans if s["operationName"] in (A.STEP_SPAN_PREFILL, A.STEP_SPAN_DECODE)]
             has_client = any(s["spanID"] == client_span_id for s in spans)
-            return traces[0] if has_client and len(steps) == usage.completion_tokens else None
+            # the API server's POST span ends after the response, later than the model's spans
+            has_post = any(s["operationName"] == "POST /v1/completions" for s in spans)
+            return traces[0] if has_client and has_post and len(steps) == usage.completion_tokens else None
 
         found = wait_for(check, INGEST_TIMEOUT_S)
         assert found, (

@@ -161,8 +161,21 @@ def assert_every_span_once(produced: dict, stored: dict) -> None:
     assert set(stored) == set(produced), "traces in Jaeger that the worker did not produce"
 
 
+#: The application's export timeout in the restart tests, seconds: the SDK's OTLP exporter retries
+#: after about 1, 2, 4 and 8 s while it fits in the timeout, so 30 s rides out a stop, 4 s down and a
+#: start that a busy machine stretches (with the default 10 s the last retry comes about 7 s after
+#: the first failure, and a slower restart loses that window's batches: docs/production.md).
+RESTART_EXPORT_TIMEOUT_S = 30
+
+
 def _run_with_restart(stack: dict, name: str, service: str, requests: int, at: int, *args: str) -> dict:
-    worker = Worker(stack["OTLP_GRPC_ENDPOINT"], service, range(requests), pause=0.3)
+    worker = Worker(
+        stack["OTLP_GRPC_ENDPOINT"],
+        service,
+        range(requests),
+        pause=0.3,
+        env={"OTEL_EXPORTER_OTLP_TIMEOUT": str(RESTART_EXPORT_TIMEOUT_S)},
+    )
     worker.wait_done(at)
     pid_before = (stack["state"] / ("scale" if args else "single") / f"{name}.pid").read_text().split()[0]
     restart(stack, name, DOWN_S, *args)
