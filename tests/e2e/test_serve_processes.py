@@ -38,6 +38,9 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("transformers.cli.serving.utils", reason="this transformers has no OpenAI-compatible serve")
 for _module in ("fastapi", "uvicorn", "openai", "httpx2", "opentelemetry.instrumentation.fastapi", "accelerate"):
     pytest.importorskip(_module, reason=f"transformers serve tests need {_module} (the [test] extra)")
+pytest.importorskip(
+    "opentelemetry.instrumentation.openai_v2", reason="the openai client's span needs the [openai-client] extra"
+)
 
 import transformers.cli.serving.utils as serving_utils  # noqa: E402
 
