@@ -650,6 +650,10 @@ def _span_sizes_module():
     return module
 
 
+@pytest.mark.skipif(
+    tuple(int(p) for p in __import__("opentelemetry.sdk.version").sdk.version.__version__.split(".")[:2]) < (1, 45),
+    reason="docs/scaling.md quotes the sizes the newest SDK encodes (an older SDK's resource differs)",
+)
 def test_scaling_doc_quotes_the_span_sizes_measured_now():
     """Regenerate with ``python benchmarks/span_sizes.py`` when the span contents change."""
     doc = SCALING_DOC.read_text()
