@@ -111,12 +111,8 @@ class BackgroundEmitter:
         caller's thread (a request that was in flight when the instrumentation was turned off is
         still emitted).
         """
-        before = self.before_submit
-        if before is not None:
-            try:
-                before()
-            except Exception as fault:
-                log_fault_once(Fault.BACKGROUND_EMISSION, fault)
+        if self.before_submit is not None:
+            _run_logged(self.before_submit)
         with self._lock:
             if os.getpid() != self._pid:  # a forked child (without the fork hook): not ours
                 self._forget_parent()
@@ -135,17 +131,10 @@ class BackgroundEmitter:
                 self._wake.notify()
                 return True
         if stopped:
-            try:
-                job()
-            except Exception as fault:
-                log_fault_once(Fault.BACKGROUND_EMISSION, fault)
+            _run_logged(job)
             return True
-        on_drop = self.on_drop
-        if on_drop is not None:
-            try:
-                on_drop()
-            except Exception as fault:
-                log_fault_once(Fault.BACKGROUND_EMISSION, fault)
+        if self.on_drop is not None:
+            _run_logged(self.on_drop)
         self.report_drops()
         return False
 
@@ -265,6 +254,14 @@ class BackgroundEmitter:
                     self._done += 1
                     self._idle.notify_all()
             time.sleep(0)  # yield the interpreter lock to the producer
+
+
+def _run_logged(function: Callable[[], None]) -> None:
+    """Call ``function``; a fault in it is logged once, never raised into the caller."""
+    try:
+        function()
+    except Exception as fault:
+        log_fault_once(Fault.BACKGROUND_EMISSION, fault)
 
 
 #: every emitter alive: each forgets its parent's jobs and locks in a forked child
