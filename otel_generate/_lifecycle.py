@@ -191,7 +191,7 @@ def forget_inherited_metrics(instruments: Iterable[Any]) -> int:
     place this package reads the SDK's storage, and it writes nothing it has not checked first:
     the API's proxy instrument's ``_real_instrument``, the SDK instrument's
     ``_measurement_consumer._reader_storages``, each storage's ``_instrument_view_instrument_matches``
-    and each match's ``_attributes_aggregation`` (a dict) and ``_lock``, as opentelemetry-sdk 1.30
+    and each match's ``_attributes_aggregation`` (a dict) and ``_lock``, as opentelemetry-sdk 1.37
     to 1.45 lay them out. An instrument without that storage (the API's no-op, a proxy whose
     provider was never set) has nothing to drop. Where a structure is not what it expects, it logs
     once and leaves that instrument's storage alone. Each series' lock is replaced before its dict

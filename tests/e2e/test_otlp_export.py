@@ -483,14 +483,6 @@ def test_round_trip_contract_attributes_and_values(exported):
     assert values[A.GENERATE_TIME_TO_FIRST_TOKEN] == attributes(prefill.attributes)[A.GENERATE_STEP_LATENCY][1]
 
 
-#: The SDK release below which the OTLP metric exporter's preferred ExplicitBucketHistogramAggregation()
-#: replaces the instruments' advisory bucket boundaries with the SDK's defaults (fixed in 1.32.0):
-#: documented in docs/production.md; a View with explicit boundaries, or SDK 1.32 or newer, avoids it.
-_SDK = tuple(int(part) for part in __import__("opentelemetry.sdk.version").sdk.version.__version__.split(".")[:2])
-_ADVISORY_IGNORED = _SDK < (1, 32)
-
-
-@pytest.mark.xfail(_ADVISORY_IGNORED, strict=True, reason="SDK < 1.32: the OTLP exporter's aggregation drops advisory")
 def test_round_trip_metrics(exported):
     protocol, receiver, proc = exported
     out = printed(proc.stdout)
@@ -623,7 +615,6 @@ def test_sampling_and_error_attributes_keep_their_types_on_the_wire(gpt2):
 # =============================================================================================
 
 
-@pytest.mark.xfail(_SDK < (1, 32), strict=False, reason="SDK < 1.32's metric reader logs the export error's traceback")
 def test_unreachable_collector_warns_and_exits_without_traceback():
     # Nothing listens on port 1. OTEL_EXPORTER_OTLP_TIMEOUT (seconds in the Python SDK) bounds
     # each signal's export attempts, retries included, so the process exits after about that

@@ -1,6 +1,6 @@
 """Every OpenTelemetry SDK release in the supported range, between the two that CI runs the whole suite on.
 
-CI runs the suite on the floor (1.30.0) and on the newest release. Here, for releases in between that
+CI runs the suite on the floor (1.37.0) and on the newest release. Here, for releases in between that
 changed the SDK's metric internals (1.38.0, 1.42.1, 1.44.0), a venv of its own (OpenTelemetry from PyPI,
 this package, no torch, no transformers) runs one script, which checks what depends on the SDK:
 

@@ -92,13 +92,7 @@ def instrument(tracer_provider, meter_provider, logger_provider):
 
 
 def events(log_exporter):
-    """The exported log records (the record itself, whatever the SDK wraps it in). The content event
-    needs opentelemetry-api 1.35 and opentelemetry-sdk 1.37 or newer (docs/content-capture.md): on an
-    older SDK (the floor leg) a test that reads it stops here."""
-    from opentelemetry.sdk.version import __version__ as sdk
-
-    if tuple(int(part) for part in sdk.split(".")[:2]) < (1, 37):
-        pytest.skip(f"the content event needs opentelemetry-sdk 1.37 or newer (this is {sdk})")
+    """The exported log records (the record itself, whatever the SDK wraps it in)."""
     return [getattr(item, "log_record", item) for item in log_exporter.get_finished_logs()]
 
 
