@@ -66,7 +66,9 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize("provider_set", ["before", "after", "after, emitter busy"])
 def test_exit_delivers_what_the_emitter_still_held(provider_set, tmp_path):
     out = tmp_path / "spans.jsonl"
-    done = subprocess.run([sys.executable, "-c", SCRIPT, provider_set, str(out)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, provider_set, str(out)], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     if provider_set == "after, emitter busy":  # every span out before force_flush() returned True
