@@ -12,8 +12,6 @@ OpenTelemetry checks the instrumented libraries' versions in two places, both wi
    _load._load_instrumentors``) checks the ``instruments`` extra of the distribution that
    provides the ``opentelemetry_instrumentor`` entry point, before it imports the entry point,
    and skips it (logging why) on a conflict; it then calls ``instrument(skip_dep_check=True)``.
-   Before opentelemetry-instrumentation 0.57b0 the loader has no check of its own: it calls
-   ``instrument(raise_exception_on_conflict=True)``, and check 1 is the only one.
 
 ``packaging`` < 25 refuses any pre-release for a specifier that names none (``5.25.0.dev0`` is
 not in ``>= 4.46``), so a transformers or torch built from source turned the instrumentation off.
@@ -82,10 +80,7 @@ def _before_auto_instrumentation() -> None:
         return
     if _disabled_by_environment():
         return
-    try:
-        from opentelemetry.instrumentation.dependencies import get_dist_dependency_conflicts
-    except ImportError:  # opentelemetry-instrumentation < 0.57b0: its loader checks only through
-        return  # instrument(), whose check this package overrides (it reads pre-releases as releases)
+    from opentelemetry.instrumentation.dependencies import get_dist_dependency_conflicts
 
     distribution = importlib_metadata.distribution(DISTRIBUTION)
     if get_dist_dependency_conflicts(distribution) is None:

@@ -95,16 +95,3 @@ def test_doctor_names_a_hiding_folder_only_where_no_regular_package_is_found(tmp
     assert package.hidden_by(str(tmp_path / "clone")) == [str(tmp_path / "clone" / "otel_generate")]
     monkeypatch.setattr(sys, "path", [str(tmp_path / "site")])  # a regular install on the path wins
     assert package.hidden_by(str(tmp_path / "clone")) is None
-
-
-def test_the_pre_instrument_hook_is_silent_where_the_loader_has_no_check_of_its_own(monkeypatch, caplog):
-    """opentelemetry-instrumentation < 0.57b0 has no ``get_dist_dependency_conflicts``: its loader checks
-    only through ``instrument()``, so the hook leaves everything to it and logs nothing."""
-    from opentelemetry.instrumentation import dependencies
-
-    monkeypatch.delattr(dependencies, "get_dist_dependency_conflicts", raising=False)
-    called = []
-    monkeypatch.setattr(_versions, "GenerateInstrumentor", lambda: called.append("instrument"))
-    with caplog.at_level("DEBUG", logger="otel_generate"):
-        _versions.before_auto_instrumentation()
-    assert caplog.records == [] and called == []
