@@ -79,6 +79,7 @@ from typing import Any, Callable, Iterable, List, Optional, Tuple
 from opentelemetry import metrics, trace
 
 from otel_generate._faults import LOGGER_NAME
+from otel_generate.background import DRAIN_SHARE, drained_context
 
 _LOG = logging.getLogger(LOGGER_NAME)
 
@@ -87,14 +88,18 @@ DEFAULT_EXPORT_TIMEOUT_S = 10.0
 _TIMEOUT_VARIABLES = {
     "spans": ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"),
     "metrics": ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"),
+    "logs": ("OTEL_EXPORTER_OTLP_LOGS_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"),
 }
 #: ``multiprocessing.util.Finalize`` priority: >= 0 runs in the first pass of the exit
 #: finalizers, before a worker joins children of its own.
 EXIT_PRIORITY = 10
 
 _lock = threading.Lock()
-#: (tracer_provider, meter_provider) given to instrument() while it is on; None when off.
-_providers: Optional[Tuple[Any, Any]] = None
+#: (tracer_provider, meter_provider, logger_provider) given to instrument() while it is on (``None``
+#: for a global one; the logger provider :data:`NOT_OURS` while no content event is emitted); None when off.
+_providers: Optional[Tuple[Any, Any, Any]] = None
+#: :data:`_providers`' logger provider while this package emits no event: it is not flushed
+NOT_OURS: Any = object()
 _hooks_installed = False  # inherited by forked children, like the hooks themselves
 _finalizer: Any = None
 _finalizer_pid: Optional[int] = None
@@ -102,7 +107,7 @@ _warned: set = set()
 #: this package's metric instruments (as ``instrument()`` created them): what a forked child resets
 _instruments: List[Any] = []
 #: whether this process finished a request of its own, so its exit flush has work: set by
-#: :func:`otel_generate.emit.finish`, reset in a forked child
+#: :class:`otel_generate.emit.Emission` and :func:`otel_generate.emit.hand_over`, reset in a forked child
 recorded = False
 #: ``drain(timeout_s) -> bool`` of the background emitter of the instrumentation in place (every
 #: flush runs it first), or ``None``
@@ -121,6 +126,8 @@ def enable(
     meter_provider: Any = None,
     instruments: Iterable[Any] = (),
     drain: Optional[Callable[[Optional[float]], bool]] = None,
+    logs: bool = False,
+    logger_provider: Any = None,
 ) -> None:
     """Turn the exit flush on (``GenerateInstrumentor.instrument()`` calls it).
 
@@ -130,10 +137,12 @@ def enable(
         instruments: this package's metric instruments, whose inherited aggregations a forked
             child drops (kept after ``uninstrument()``: their data still sits in the SDK).
         drain: the background emitter's ``drain(timeout_s)``, run before every flush.
+        logs: the content event is emitted: the logger provider (``logger_provider``, ``None``
+            for the global one) is flushed too.
     """
     global _providers, _hooks_installed, _drain
     with _lock:
-        _providers = (tracer_provider, meter_provider)
+        _providers = (tracer_provider, meter_provider, logger_provider if logs else NOT_OURS)
         _drain = drain
         for instrument in instruments:
             if not any(instrument is known for known in _instruments):
@@ -272,11 +281,12 @@ def _flush_at_exit() -> None:
 
 
 def force_flush(timeout_s: float = 30.0) -> bool:
-    """Emit what the background emitter still holds, then force-flush the tracer and meter
-    providers in use (those given to ``instrument()``, else the global ones), within ``timeout_s``
-    seconds in all. For any provider with a ``force_flush`` method, the SDK's or another; the SDK's
-    providers' own ``force_flush`` drains the emitter too. True when everything finished in time.
-    Never raises.
+    """Emit what the background emitter still holds (at most half of ``timeout_s``), then
+    force-flush the tracer, meter and (with the content event on) logger providers in use (those
+    given to ``instrument()``, else the global ones) with the rest, within ``timeout_s`` seconds in
+    all. For any provider with a ``force_flush`` method, the SDK's or another. True when all three
+    signals finished in time. Called on the emitter's own thread (from a span processor, say), it
+    does not wait for the emitter's queue: it flushes what is recorded and returns. Never raises.
 
     Raises:
         ValueError: ``timeout_s`` is not a positive number.
@@ -285,11 +295,11 @@ def force_flush(timeout_s: float = 30.0) -> bool:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     deadline = time.monotonic() + timeout_s
     drain, providers = _drain, _providers
-    drained = _run_drain(drain, timeout_s)
+    drained = _run_drain(drain, timeout_s * DRAIN_SHARE if providers is not None else timeout_s)
     if providers is None:
         return drained
     try:
-        left = max(0.001, deadline - time.monotonic())
+        left = max(timeout_s * (1.0 - DRAIN_SHARE), deadline - time.monotonic())
         return flush(*providers, reason="force_flush", shutdown=False, bound_s=left) and drained
     except Exception:  # pragma: no cover - never raise from a flush
         return False
@@ -360,6 +370,7 @@ def export_timeout_s(signal: str) -> float:
 def flush(
     tracer_provider: Any = None,
     meter_provider: Any = None,
+    logger_provider: Any = NOT_OURS,
     reason: str = "",
     shutdown: bool = True,
     bound_s: Optional[float] = None,
@@ -372,8 +383,9 @@ def flush(
     provider; a provider without ``shutdown()`` is force-flushed instead.
 
     Args:
-        tracer_provider, meter_provider: providers to flush; ``None`` means the global one.
-            A provider with neither method (the API's no-op and proxy providers) is skipped.
+        tracer_provider, meter_provider, logger_provider: providers to flush; ``None`` means the
+            global one; a logger provider :data:`NOT_OURS` is not flushed. A provider with neither
+            method (the API's no-op and proxy providers) is skipped.
         reason: words for the warning, e.g. ``"on the way out of process 123"``.
         shutdown: ``False`` force-flushes instead (``force_flush()``: the providers stay usable),
             for a process that may go on after the flush.
@@ -383,19 +395,25 @@ def flush(
         ``True`` when every provider finished within its bound (:func:`export_timeout_s`);
         ``False`` otherwise, after one warning. Never raises.
     """
-    targets = (
+    targets = [
         ("spans", tracer_provider if tracer_provider is not None else trace.get_tracer_provider()),
         ("metrics", meter_provider if meter_provider is not None else metrics.get_meter_provider()),
-    )
+    ]
+    if logger_provider is not NOT_OURS:
+        if logger_provider is None:
+            from opentelemetry import _logs
+
+            logger_provider = _logs.get_logger_provider()
+        targets.append(("logs", logger_provider))
     started = time.monotonic()
     running: List[Tuple[str, float, threading.Thread]] = []
     for signal, provider in targets:
         if not callable(getattr(provider, "shutdown", None)) and not callable(getattr(provider, "force_flush", None)):
             continue
         bound = export_timeout_s(signal) if bound_s is None else bound_s
-        thread = threading.Thread(
-            target=_run_flush,
-            args=(signal, provider, bound, shutdown),
+        thread = threading.Thread(  # (in a context where the providers' flushes do not drain again)
+            target=drained_context().run,
+            args=(_run_flush, signal, provider, bound, shutdown),
             name=f"otel_generate-flush-{signal}",
             daemon=True,
         )

@@ -1,11 +1,12 @@
 """Background emission: the telemetry of finished requests built on a worker thread.
 
 A producer that must not spend time on spans (a ``generate()`` caller, by default, or the
-continuous-batching scheduler thread) hands each finished request to a :class:`BackgroundEmitter`:
-a bounded queue and one daemon thread that runs :func:`otel_generate.emit.finish` for it (the step
-spans, the request span's attributes and end, the histograms, through the public OpenTelemetry
-API). The worker yields the interpreter lock between jobs (and every few spans inside one), so it
-runs while the producer waits on the device.
+continuous-batching scheduler thread) hands each finished request to a :class:`BackgroundEmitter`
+(:func:`otel_generate.emit.hand_over`): a bounded queue and one daemon thread that runs its
+:class:`otel_generate.emit.Emission` (the step spans, the request span's attributes and end, the
+histograms, the content event, through the public OpenTelemetry API). The worker yields the
+interpreter lock between jobs (and every few spans inside one), so it runs while the producer
+waits on the device.
 
 Bounded, never blocking: at most ``max_pending`` requests wait. A request that finds the queue full
 is not emitted; it is counted (:attr:`BackgroundEmitter.dropped`, and the ``on_drop`` callback:
@@ -13,15 +14,26 @@ the ``generate.emitter.dropped_requests`` counter), and a warning says so at onc
 once per :data:`DROP_LOG_INTERVAL_S` with the count since the last one (and once more when the
 emitter drains at exit).
 
-Drained first: ``uninstrument()``, :func:`otel_generate.force_flush`, the exit flush of
-:mod:`otel_generate._lifecycle`, and the ``force_flush``/``shutdown`` of the tracer and meter
-providers in use (wrapped by :func:`make_draining`: the ``"emitter"`` rows of
-:data:`otel_generate.instrumentor.PATCHES`) wait for the queue to empty, at most their timeout,
-before the providers flush. Interpreter exit too: a provider registers its exit-time ``shutdown``
-when it is created, usually before the emitter exists, so each emitter registers an ``atexit``
-drain of its own, which runs before the providers' (``atexit`` runs the last registered first), and
-registers it again when it meets a provider set after it
-(:meth:`BackgroundEmitter.drain_at_exit_before_providers`).
+Drained first, one signal at a time: ``uninstrument()``, :func:`otel_generate.force_flush`, the
+exit flush of :mod:`otel_generate._lifecycle`, and the ``force_flush``/``shutdown`` of the tracer,
+meter and logger providers this package emits to (wrapped by :func:`make_draining`: the
+``"emitter"`` rows of :data:`otel_generate.instrumentor.PATCHES`; another provider of the same
+class is not touched). A tracer provider's flush waits for the worker to build the spans of every
+request handed over before it. A meter or logger provider's flush does not wait for spans: it
+records the metrics (or emits the content event) of every request queued before it at once, on
+its own thread (:meth:`BackgroundEmitter.drain` with a ``signal``; each request's part runs once,
+whichever thread gets to it first), and waits only for jobs that have no such part (continuous
+batching's). A flush given a timeout spends at most half of it on the drain
+(:data:`DRAIN_SHARE`): the provider keeps the rest for its own export.
+
+A flush on the worker thread itself (a span processor, an exporter or a callback that flushes),
+or on a thread a flush of ours started after draining, never waits for the queue: it flushes what
+is already recorded and returns (:data:`_SKIP_DRAIN`).
+
+Interpreter exit: a provider registers its exit-time ``shutdown`` when it is created, usually
+before the emitter exists, so each emitter registers an ``atexit`` drain of its own, which runs
+before the providers' (``atexit`` runs the last registered first), and registers it again when it
+meets a provider set after it (:meth:`BackgroundEmitter.drain_at_exit_before_providers`).
 Once stopped (``uninstrument()``), an emitter runs what is still handed to it (a request that was
 in flight) on the caller's thread, so nothing is lost.
 """
@@ -30,13 +42,14 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextvars
 import functools
 import logging
 import os
 import threading
 import time
 import weakref
-from typing import Callable, Deque, Optional
+from typing import Any, Callable, Deque, Optional
 
 from otel_generate._faults import LOGGER_NAME, Fault, log_fault_once
 
@@ -48,6 +61,29 @@ DEFAULT_MAX_PENDING = 1024
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 #: While requests are dropped, a warning at most this often (seconds), with the count since the last.
 DROP_LOG_INTERVAL_S = 60.0
+#: The share of a flush's timeout that the drain may use; the provider keeps the rest for its own export.
+DRAIN_SHARE = 0.5
+#: The signals a drain may be asked for: the spans (the worker builds them: wait for it), or one
+#: part of every queued request that the flushing thread runs itself.
+SPANS, METRICS, LOGS = "traces", "metrics", "logs"
+
+#: True on the worker thread, and on the threads a flush starts once it has drained: a provider's
+#: flush there goes straight to the provider (waiting for the queue would wait for itself, or
+#: twice).
+_SKIP_DRAIN: "contextvars.ContextVar[bool]" = contextvars.ContextVar("otel_generate_skip_drain", default=False)
+
+
+def drained_context() -> contextvars.Context:
+    """A copy of the current context in which the providers' flushes do not drain again: run a
+    flush in it (``context.run``) on another thread after the drain it needed."""
+    context = contextvars.copy_context()
+    context.run(_SKIP_DRAIN.set, True)
+    return context
+
+
+def draining_skipped() -> bool:
+    """Whether a flush on this thread must not wait for the queue (see :data:`_SKIP_DRAIN`)."""
+    return _SKIP_DRAIN.get()
 
 
 class BackgroundEmitter:
@@ -82,7 +118,7 @@ class BackgroundEmitter:
         self._last_report: Optional[float] = None  # time.monotonic() of the last warning
         self._last_undrained: Optional[float] = None  # ... of the last warning of a drain run out of time
         self._jobs: Deque[Callable[[], None]] = collections.deque()
-        self._busy = False
+        self._busy: Optional[Callable[[], None]] = None  # the job the worker is running
         self._queued = 0  # jobs queued so far; a drain waits for those queued before it, not later ones
         self._done = 0  # of them, run
         self._lock = threading.Lock()
@@ -152,8 +188,8 @@ class BackgroundEmitter:
 
     def report_undrained(self, when: str) -> None:
         """The warning for requests a drain left behind (its time ran out): their telemetry is
-        not emitted by then, and at exit never. At most once per :data:`DROP_LOG_INTERVAL_S`, but
-        always at exit."""
+        not emitted by then (it is later, while the providers live on), and at exit never. At
+        most once per :data:`DROP_LOG_INTERVAL_S`, but always at exit."""
         left, now = self.pending(), time.monotonic()
         with self._lock:
             last = self._last_undrained
@@ -166,7 +202,7 @@ class BackgroundEmitter:
                 "not emitted in time%s",
                 left,
                 when,
-                " and is lost" if when == "at exit" else "",
+                " and is lost" if when == "at exit" else " (it follows when the worker gets to it)",
             )
 
     def report_drops(self, final: bool = False) -> None:
@@ -203,29 +239,66 @@ class BackgroundEmitter:
         self._wake = threading.Condition(self._lock)
         self._idle = threading.Condition(self._lock)
         self._jobs.clear()
-        self._thread, self._busy, self._pid = None, False, os.getpid()
+        self._thread, self._busy, self._pid = None, None, os.getpid()
         self._queued = self._done = 0
         # the child's own drops are its own to count and report, at once for the first
         self.dropped, self._unreported, self._last_report = 0, 0, None
 
     def pending(self) -> int:
         with self._lock:
-            return len(self._jobs) + (1 if self._busy else 0)
+            return len(self._jobs) + (1 if self._busy is not None else 0)
 
-    def drain(self, timeout_s: Optional[float] = None) -> bool:
-        """Wait until every job queued before this call ran (not those queued while it waits), at
-        most ``timeout_s`` seconds; True when they did."""
+    def on_worker(self) -> bool:
+        """Whether the calling thread is this emitter's worker."""
+        return self._thread is threading.current_thread()
+
+    def drain(self, timeout_s: Optional[float] = None, signal: str = SPANS) -> bool:
+        """Emit what was handed over before this call (not what is handed over while it waits), at
+        most ``timeout_s`` seconds (default :data:`DEFAULT_DRAIN_TIMEOUT_S`); True when it all was.
+
+        ``signal``: :data:`SPANS` (everything: wait for the worker), or :data:`METRICS` /
+        :data:`LOGS`: run that part of every queued request on this thread now (a job's
+        ``run_part(signal)``), and wait for the worker only for jobs without parts. On the worker
+        itself (or where :func:`draining_skipped`) nothing is waited for: the parts are run, and
+        the answer is whether nothing was left queued.
+        """
         deadline = time.monotonic() + (DEFAULT_DRAIN_TIMEOUT_S if timeout_s is None else timeout_s)
+        skip = draining_skipped() or self.on_worker()
+        if signal != SPANS:
+            return self._drain_part(signal, deadline, skip)
         with self._lock:
-            if self._thread is threading.current_thread():
+            if skip:
                 return not self._jobs  # a job that flushes the provider must not wait for itself
-            target = self._queued
-            while self._done < target:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._thread is None or not self._thread.is_alive():
-                    return False
-                self._idle.wait(left)
+            return self._wait_until(self._queued, deadline)
+
+    def _wait_until(self, target: int, deadline: float) -> bool:
+        """Wait (the lock held) until the first ``target`` jobs queued have run, at most until ``deadline``."""
+        while self._done < target:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._thread is None or not self._thread.is_alive():
+                return False
+            self._idle.wait(left)
+        return True
+
+    def _drain_part(self, signal: str, deadline: float, skip: bool) -> bool:
+        with self._lock:
+            jobs = ([self._busy] if self._busy is not None else []) + list(self._jobs)
+            first = self._done + 1  # the number of the first of them (jobs run in order)
+        opaque = 0  # the number of the last job without parts: the worker must run it
+        for number, job in enumerate(jobs, first):
+            run_part = getattr(job, "run_part", None)
+            if run_part is None:
+                opaque = number
+                continue
+            if time.monotonic() >= deadline:
+                return False
+            _run_logged(functools.partial(run_part, signal))
+        if not opaque:
             return True
+        with self._lock:
+            if skip:
+                return self._done >= opaque
+            return self._wait_until(opaque, deadline)
 
     def stop(self, timeout_s: Optional[float] = None) -> bool:
         """Drain, then refuse new jobs."""
@@ -236,21 +309,21 @@ class BackgroundEmitter:
         return drained
 
     def _run(self) -> None:
+        _SKIP_DRAIN.set(True)  # (this thread's own context) a flush from a job never waits for the queue
         while True:
             with self._lock:
                 while not self._jobs and not self._stopped:
                     self._wake.wait()
                 if not self._jobs:
                     return
-                job = self._jobs.popleft()
-                self._busy = True
+                job = self._busy = self._jobs.popleft()
             try:
                 job()
             except Exception as fault:  # a job never kills the worker
                 log_fault_once(Fault.BACKGROUND_EMISSION, fault)
             finally:
                 with self._lock:
-                    self._busy = False
+                    self._busy = None
                     self._done += 1
                     self._idle.notify_all()
             time.sleep(0)  # yield the interpreter lock to the producer
@@ -285,21 +358,28 @@ def _timeout_s(args: tuple, kwargs: dict) -> Optional[float]:
     return None if millis is None else float(millis) / 1000.0
 
 
-def make_draining(original: Callable, emitter: BackgroundEmitter) -> Callable:
-    """A provider's ``force_flush``/``shutdown`` that first waits for the emitter's queue, then
-    runs the provider's own. A call that gives ``timeout_millis`` keeps to it in all: the drain
-    waits at most that long and the provider's own call gets what is left. A ``force_flush``
-    that says it finished (``True``) says ``False`` when the drain did not."""
+def make_draining(original: Callable, emitter: BackgroundEmitter, signal: str, ours: Callable[[Any], bool]) -> Callable:
+    """A provider class's ``force_flush``/``shutdown`` that, for a provider this package emits to
+    (``ours(provider)``), first drains the emitter's ``signal``, then runs the provider's own. Any
+    other provider of the class gets the original call and nothing else.
+
+    A call that gives ``timeout_millis`` keeps to it in all: the drain uses at most
+    :data:`DRAIN_SHARE` of it and the provider's own call gets what is left (never less than
+    the rest of the share). A ``force_flush`` that says it finished (``True``) says ``False``
+    when the drain did not; the requests left are emitted later."""
 
     @functools.wraps(original)
     def draining(self, *args, **kwargs):
+        if draining_skipped() or not ours(self):
+            return original(self, *args, **kwargs)
         timeout_s = _timeout_s(args, kwargs)
         started = time.monotonic()
-        drained = emitter.drain(timeout_s)
+        drained = emitter.drain(None if timeout_s is None else timeout_s * DRAIN_SHARE, signal)
         if not drained:
             emitter.report_undrained(f"when {type(self).__name__}.{original.__name__} was called")
         if timeout_s is not None:
-            left_millis = max(0, int((timeout_s - (time.monotonic() - started)) * 1000))
+            left_s = max(timeout_s - (time.monotonic() - started), timeout_s * (1.0 - DRAIN_SHARE))
+            left_millis = max(int(left_s * 1000.0), 1 if timeout_s > 0 else 0)
             if args:
                 args = (left_millis,) + tuple(args[1:])
             else:

@@ -4,14 +4,18 @@ telemetry out, whichever producer recorded it.
 * :func:`start_request_span` starts the request span (``text_completion {model}``) when the
   request starts, so that sampling is decided before any per-step work and the application's
   own spans made during the request are its children.
-* :func:`finish` ends it: it derives the request's figures once (:func:`otel_generate.derive.derive`:
-  only those that will be read), then sets the request attributes, builds the step spans (from
-  the recorded timestamps with explicit start and end times, at most ``max_step_spans``), records
-  the metrics (while the request span is the current span, so exemplars point at it) and builds
-  the :class:`~otel_generate.record.GenerationRecord` handed to profilers; with opt-in content
-  capture (:mod:`otel_generate.content`), the messages on the span and/or the
+* :func:`hand_over` is the one hand-over of a finished request, called once by each producer: it
+  captures the caller's OpenTelemetry ``Context`` and either queues the request's
+  :class:`Emission` on the background emitter or builds it at once (:func:`finish` builds at once).
+* An :class:`Emission` ends the request: it derives the request's figures once
+  (:func:`otel_generate.derive.derive`: only those that will be read), then sets the request
+  attributes, builds the step spans (from the recorded timestamps with explicit start and end
+  times, at most ``max_step_spans``), records the metrics (with the request span in the context
+  handed to ``record()``, so exemplars point at it) and builds the
+  :class:`~otel_generate.record.GenerationRecord` handed to profilers; with opt-in content capture
+  (:mod:`otel_generate.content`), the messages on the span and/or the
   ``gen_ai.client.inference.operation.details`` event (a log record), and the step token ids and
-  log-probabilities on the step spans.
+  log-probabilities on the step spans. Everything is built on the request's captured context.
 
 Names and buckets come from :mod:`otel_generate.attributes`; the figures (seconds) from the
 :class:`~otel_generate.derive.Summary`. The telemetry context handed in is
@@ -21,20 +25,24 @@ Names and buckets come from :mod:`otel_generate.attributes`; the figures (second
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any, Dict, Optional, Sequence, Tuple
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from otel_generate import _lifecycle
 from otel_generate import attributes as A
-from otel_generate import telemetry as _telemetry
 from otel_generate._faults import Fault, error_type, log_fault_once
 from otel_generate.derive import Summary, derive
 from otel_generate.record import GenerationRecord
 from otel_generate.request import Request
-from otel_generate.telemetry import Telemetry  # noqa: E402
+from otel_generate.telemetry import Telemetry
+
+#: On the background emitter, yield the interpreter lock after every this many step spans.
+BACKGROUND_YIELD_EVERY = 16
 
 
 def request_span_name(model: str) -> str:
@@ -75,6 +83,53 @@ def _request_span_start(model: str) -> Tuple[str, Dict[str, Any]]:
     return found
 
 
+def hand_over(
+    telemetry: Telemetry,
+    span: Any,
+    request: Request,
+    profilers: Sequence[Any] = (),
+    context: Any = None,
+    need_record: bool = False,
+    background: Optional[bool] = None,
+) -> Tuple[Optional[GenerationRecord], bool]:
+    """The one hand-over of a finished request: its telemetry is built now, or on the background
+    emitter. Every producer calls it once per request.
+
+    Args:
+        telemetry, span, request, profilers, need_record: as :func:`finish`.
+        context: the OpenTelemetry ``Context`` the request was made in, which every span, metric
+            and event of the request is built on (so that a span processor or a sampler sees the
+            caller's baggage and values, on whichever thread the spans are built); default: the
+            current context, the caller's (captured here: it is one immutable object).
+        background: build on the emitter (``None``: as the ``background_emission`` option says).
+            Never for a request that raised (its traceback holds the caller's frames, which must
+            not outlive the call), one a profiler or the caller waits for (``need_record``), or
+            one handed over on the emitter's own thread (built there at once).
+
+    Returns:
+        ``(record, deferred)``: the record when built now and read (else ``None``), and whether the
+        request was handed to the emitter (a full emitter drops it, counted and logged once).
+    """
+    if context is None:
+        context = otel_context.get_current()
+    emission = Emission(telemetry, span, request, context, profilers, need_record)
+    emitter = telemetry.emitter
+    if emitter is not None:
+        if emitter.on_worker():  # (continuous batching's job, a request made from a span processor)
+            emission.yield_every = BACKGROUND_YIELD_EVERY
+        elif (
+            (telemetry.options.background_emission if background is None else background)
+            and not profilers
+            and not need_record
+            and request.error is None
+        ):
+            _lifecycle.recorded = True  # this process has telemetry of its own to flush at exit
+            emission.yield_every = BACKGROUND_YIELD_EVERY
+            emitter.submit(emission)
+            return None, True
+    return emission(), False
+
+
 def finish(
     telemetry: Telemetry,
     span: Any,
@@ -82,8 +137,9 @@ def finish(
     profilers: Sequence[Any] = (),
     yield_every: int = 0,
     need_record: bool = False,
+    context: Any = None,
 ) -> Optional[GenerationRecord]:
-    """Turn a finished request into telemetry, then end ``span``; never raises.
+    """Turn a finished request into telemetry now, on this thread, then end ``span``; never raises.
 
     The metrics are recorded for every request, whether its span is sampled or not. An unsampled
     request (``span`` not recording) with no profiler and ``need_record`` false builds no
@@ -98,66 +154,166 @@ def finish(
             step spans (0: never).
         need_record: build the record even when neither the span nor a profiler reads it
             (``track_token_latency``).
+        context: the ``Context`` the request was made in (default: the current one).
 
     Returns:
         The :class:`GenerationRecord` given to profilers and callers; ``None`` when no one reads
         it (no profiler and ``need_record`` false) or building it failed (the fault is logged
         once; the span still ends).
     """
-    _lifecycle.recorded = True  # this process has telemetry of its own to flush at exit
-    record = None
-    recording = span.is_recording()
-    detailed = recording or bool(profilers) or need_record
-    instruments = telemetry.instruments
-    measured = bool(instruments) and request.metrics
-    inter_token = measured and A.METRIC_INTER_TOKEN_LATENCY in instruments
-    try:
-        summary: Optional[Summary] = derive(
-            request, telemetry.policy, steps=detailed, spans=recording, inter_token=inter_token
-        )
-    except Exception as fault:  # the step data is malformed: the request's own figures may still do
-        request.incomplete = True
-        log_fault_once(Fault.REQUEST_ACCOUNTING, fault)
-        detailed = False
-        try:
-            summary = derive(request)
-        except Exception:
-            summary = None
-    if detailed and summary is not None:
-        try:
-            record = _annotate(telemetry, span, request, summary, yield_every, bool(profilers) or need_record)
-        except Exception as fault:
-            request.incomplete = True
-            log_fault_once(Fault.REQUEST_ACCOUNTING, fault)
-    content = telemetry.content
-    if content is not None and content.event_logger is not None:
-        try:
-            _emit_details_event(content.event_logger, span, request, summary)
-        except Exception as fault:
-            log_fault_once(Fault.CONTENT_EVENT, fault)
-    try:
-        if request.incomplete and recording:
-            span.set_attribute(A.GENERATE_STEPS_INCOMPLETE, True)
-        end = request.end_ns
-        span.end(end_time=request.wall_ns(end) if end is not None else None)
-    except Exception as fault:
-        log_fault_once(Fault.REQUEST_SPAN_END, fault)
-    if measured and summary is not None:  # every request, also one whose attributes faulted
-        try:
-            _record_metrics(instruments, span, request, summary)
-        except Exception as fault:
-            log_fault_once(Fault.METRICS, fault)
-    if record is not None:
-        for profiler in profilers:
+    if context is None:
+        context = otel_context.get_current()
+    emission = Emission(telemetry, span, request, context, profilers, need_record)
+    emission.yield_every = yield_every
+    return emission()
+
+
+#: :attr:`Emission._summary` before the request's figures are derived
+_UNDERIVED: Any = object()
+
+
+class Emission:
+    """One finished request's telemetry, built in three parts: the spans (the request span's
+    attributes, the step spans, the request span's end), the metrics, and the opt-in content
+    event. Called, it builds them all (on the background emitter, or at once). A flush of the
+    meter or logger provider runs that signal's part of every queued request on its own thread
+    first (:meth:`run_part`), so that it never waits for spans; each part runs once, whichever
+    thread gets to it first, from figures derived once."""
+
+    __slots__ = (
+        "telemetry",
+        "span",
+        "request",
+        "context",
+        "profilers",
+        "need_record",
+        "yield_every",
+        "_lock",
+        "_summary",
+        "_detailed",
+        "_metrics_done",
+        "_event_done",
+    )
+
+    def __init__(
+        self,
+        telemetry: Telemetry,
+        span: Any,
+        request: Request,
+        context: Any,
+        profilers: Sequence[Any] = (),
+        need_record: bool = False,
+    ) -> None:
+        self.telemetry = telemetry
+        self.span = span
+        self.request = request
+        self.context = context
+        self.profilers = profilers
+        self.need_record = need_record
+        self.yield_every = 0
+        self._lock = threading.RLock()  # (re-entrant: an exporter that flushes from inside a part)
+        self._summary: Any = _UNDERIVED
+        self._detailed = False
+        self._metrics_done = False
+        self._event_done = False
+
+    def _derive(self) -> Optional[Summary]:
+        """The request's figures, derived once (the lock held): only those that will be read."""
+        with self._lock:
+            if self._summary is not _UNDERIVED:
+                return self._summary
+            request, telemetry = self.request, self.telemetry
+            recording = self.span.is_recording()
+            detailed = recording or bool(self.profilers) or self.need_record
+            inter_token = bool(telemetry.instruments) and request.metrics
+            inter_token = inter_token and A.METRIC_INTER_TOKEN_LATENCY in telemetry.instruments
             try:
-                profiler._add(record)
+                summary: Optional[Summary] = derive(
+                    request, telemetry.policy, steps=detailed, spans=recording, inter_token=inter_token
+                )
+            except Exception as fault:  # the step data is malformed: the request's own figures may still do
+                request.incomplete = True
+                log_fault_once(Fault.REQUEST_ACCOUNTING, fault)
+                detailed = False
+                try:
+                    summary = derive(request)
+                except Exception:
+                    summary = None
+            self._summary, self._detailed = summary, detailed
+            return summary
+
+    def run_part(self, signal: str) -> None:
+        """The request's metrics (``"metrics"``) or content event (``"logs"``), unless already
+        done; on any thread; never raises."""
+        with self._lock:
+            if signal == "metrics":
+                if self._metrics_done:
+                    return
+                self._metrics_done = True
+                instruments = self.telemetry.instruments
+                summary = self._derive()
+                if instruments and self.request.metrics and summary is not None:
+                    try:  # every request, also one whose attributes faulted
+                        _record_metrics(instruments, self.span, self.request, summary, self.context)
+                    except Exception as fault:
+                        log_fault_once(Fault.METRICS, fault)
+            elif signal == "logs":
+                if self._event_done:
+                    return
+                self._event_done = True
+                content = self.telemetry.content
+                if content is not None and content.event_logger is not None:
+                    try:
+                        _emit_details_event(content.event_logger, self.span, self.request, self._derive(), self.context)
+                    except Exception as fault:
+                        log_fault_once(Fault.CONTENT_EVENT, fault)
+
+    def __call__(self) -> Optional[GenerationRecord]:
+        """Build everything not built yet, end the span, hand the record to the profilers."""
+        _lifecycle.recorded = True  # this process has telemetry of its own to flush at exit
+        telemetry, span, request, profilers = self.telemetry, self.span, self.request, self.profilers
+        record = None
+        summary = self._derive()
+        if self._detailed and summary is not None:
+            try:
+                record = _annotate(
+                    telemetry,
+                    span,
+                    request,
+                    summary,
+                    self.yield_every,
+                    bool(profilers) or self.need_record,
+                    self.context,
+                )
             except Exception as fault:
-                log_fault_once(Fault.PROFILER, fault)
-    return record
+                request.incomplete = True
+                log_fault_once(Fault.REQUEST_ACCOUNTING, fault)
+        self.run_part("logs")
+        try:
+            if request.incomplete and span.is_recording():
+                span.set_attribute(A.GENERATE_STEPS_INCOMPLETE, True)
+            end = request.end_ns
+            span.end(end_time=request.wall_ns(end) if end is not None else None)
+        except Exception as fault:
+            log_fault_once(Fault.REQUEST_SPAN_END, fault)
+        self.run_part("metrics")
+        if record is not None:
+            for profiler in profilers:
+                try:
+                    profiler._add(record)
+                except Exception as fault:
+                    log_fault_once(Fault.PROFILER, fault)
+        return record
 
 
 def _annotate(
-    telemetry: Telemetry, span: Any, request: Request, summary: Summary, yield_every: int = 0, record: bool = True
+    telemetry: Telemetry,
+    span: Any,
+    request: Request,
+    summary: Summary,
+    yield_every: int = 0,
+    record: bool = True,
+    context: Any = None,
 ) -> Optional[GenerationRecord]:
     """Set the request attributes and build the step spans (a recording span); return the record
     for the APIs when ``record`` (a profiler or the caller reads it), else ``None``. Reads the
@@ -225,7 +381,7 @@ def _annotate(
         if not steps_unseen:
             attrs[A.GENERATE_STEP_SPANS_DROPPED] = len(summary.step_latencies_ns) - summary.step_spans
         span.set_attributes(attrs)
-        _emit_steps(telemetry, span, request, summary, yield_every)
+        _emit_steps(telemetry, span, request, summary, yield_every, context)
     if not record:
         return None
     return GenerationRecord(
@@ -246,16 +402,19 @@ def _annotate(
     )
 
 
-def _emit_steps(telemetry: Telemetry, span: Any, request: Request, summary: Summary, yield_every: int = 0) -> None:
+def _emit_steps(
+    telemetry: Telemetry, span: Any, request: Request, summary: Summary, yield_every: int = 0, context: Any = None
+) -> None:
     """The inner-call spans (when the request ran several loops) and the first
     ``summary.step_spans`` step spans, each step a child of its inner-call span, else of the
-    request span. The hot loop of emission: everything it reads is bound to a local first."""
+    request span, all in the request's ``context`` (the caller's baggage and values). The hot
+    loop of emission: everything it reads is bound to a local first."""
     emitted = summary.step_spans
     if not emitted and not request.calls:  # (no span to build: no parent context either)
         return
     tracer = telemetry.tracer
     wall_offset = request.start_wall_ns - request.start_ns
-    parent = trace.set_span_in_context(span)
+    parent = trace.set_span_in_context(span, context)
     parents = [parent] * emitted
     for call in request.calls:
         group = tracer.start_span(
@@ -266,9 +425,9 @@ def _emit_steps(telemetry: Telemetry, span: Any, request: Request, summary: Summ
             attributes=call.attributes,
         )
         group.end(end_time=(call.end_ns if call.end_ns is not None else request.end_ns) + wall_offset)
-        context = trace.set_span_in_context(group)
+        inner = trace.set_span_in_context(group, context)
         for index in range(call.first_step, min(call.first_step + call.steps, emitted)):
-            parents[index] = context
+            parents[index] = inner
     if not emitted:
         return
     start_span = tracer.start_span
@@ -337,8 +496,11 @@ def _json(messages: Any) -> str:
     return json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
 
 
-def _emit_details_event(logger: Any, span: Any, request: Request, summary: Optional[Summary]) -> None:
-    """The ``gen_ai.client.inference.operation.details`` event of one request, in the request span's context.
+def _emit_details_event(
+    logger: Any, span: Any, request: Request, summary: Optional[Summary], context: Any = None
+) -> None:
+    """The ``gen_ai.client.inference.operation.details`` event of one request, in the request span's
+    context (built on the request's ``context``).
 
     Its attributes are the request's ``gen_ai.*`` attributes and ``error.type`` (as on the span),
     and the messages in structured form when they were captured (GenAI events page, semantic
@@ -365,7 +527,7 @@ def _emit_details_event(logger: Any, span: Any, request: Request, summary: Optio
     try:
         record = LogRecord(
             timestamp=request.wall_ns(end) if end is not None else None,
-            context=trace.set_span_in_context(span),
+            context=trace.set_span_in_context(span, context),
             attributes=attrs,
             event_name=A.EVENT_INFERENCE_OPERATION_DETAILS,
         )
@@ -405,18 +567,21 @@ def _metric_attributes(model: str, error_type: Optional[str]) -> tuple:
     return found
 
 
-def _record_metrics(instruments: Dict[str, Any], span: Any, request: Request, summary: Summary) -> None:
+def _record_metrics(
+    instruments: Dict[str, Any], span: Any, request: Request, summary: Summary, base_context: Any = None
+) -> None:
     """The GenAI histograms and the inter-token latency histogram of one request, from its
     ``summary``, through the public ``Histogram.record(value, attributes, context=...)``.
 
-    The context handed to ``record()`` holds the request span when it is sampled, so exemplars
-    point at it; an unsampled request's measurements are recorded under no span at all, so no
-    exemplar points at a trace that was not kept. Nothing is attached to the thread's context.
+    The context handed to ``record()`` is the request's ``base_context`` (the caller's) holding the
+    request span when it is sampled, so exemplars point at it; an unsampled request's measurements
+    are recorded under no span at all, so no exemplar points at a trace that was not kept. Nothing
+    is attached to the thread's context.
     """
     error = summary.error_type is not None
     base, input_usage, output_usage = _metric_attributes(request.model, summary.error_type)
     exemplar_span = span if span.get_span_context().trace_flags.sampled else trace.INVALID_SPAN
-    context = trace.set_span_in_context(exemplar_span)
+    context = trace.set_span_in_context(exemplar_span, base_context)
     duration_s = summary.duration_s
     instruments[A.METRIC_REQUEST_DURATION].record(duration_s, base, context=context)
     instruments[A.METRIC_CLIENT_OPERATION_DURATION].record(duration_s, base, context=context)
@@ -441,6 +606,3 @@ def _record_metrics(instruments: Dict[str, Any], span: Any, request: Request, su
             record = inter_token.record
             for value in summary.inter_token_latencies_s:  # one value per decode step, as vLLM records it
                 record(value, base, context=context)
-
-
-_telemetry.bind_finish(finish)  # Telemetry.emit runs finish without importing this module

@@ -18,6 +18,7 @@ import contextvars
 import importlib
 import inspect
 import logging
+import os
 import sys
 import threading
 import weakref
@@ -44,13 +45,17 @@ SERVE = "transformers.cli.serving.utils"
 SERVER = "transformers.cli.serving.server"
 ENGINE = "transformers.cli.serving.model_manager"
 PIPELINES = "transformers.pipelines.base"
-#: ``module`` of the rows that wrap the ``force_flush``/``shutdown`` of the tracer and meter providers
-#: in use (those given to ``instrument()``, else the global ones): nothing is imported or named; the
-#: class that defines the method is found from the provider object when the background emitter starts,
-#: and again for a global provider set later (:func:`wrap_provider_flushes`). A provider without the
-#: method (the API's no-op and stand-in providers) is left alone.
+#: ``module`` of the rows that wrap the ``force_flush``/``shutdown`` of the tracer, meter and (with the
+#: content event on) logger providers this package emits to (those given to ``instrument()``, else the
+#: global ones): nothing is imported or named; the class that defines the method is found from the
+#: provider object when the background emitter starts, and again for a global provider set later
+#: (:func:`wrap_provider_flushes`). The wrapper drains only for those provider objects: another
+#: provider of the same class flushes exactly as without this package. A provider without the method
+#: (the API's no-op and stand-in providers) is left alone.
 PROVIDERS = "<the providers in use>"
-TRACER_PROVIDER, METER_PROVIDER = "tracer provider", "meter provider"
+TRACER_PROVIDER, METER_PROVIDER, LOGGER_PROVIDER = "tracer provider", "meter provider", "logger provider"
+#: The signal each provider's flush drains (:meth:`otel_generate.background.BackgroundEmitter.drain`).
+SIGNAL_OF = {TRACER_PROVIDER: "traces", METER_PROVIDER: "metrics", LOGGER_PROVIDER: "logs"}
 #: ``owner`` of a row that is a module-level function, not a class attribute.
 MODULE_LEVEL = ""
 #: ``owner`` suffix: the row also applies to every subclass defining the attribute, now and later
@@ -97,6 +102,8 @@ PATCHES: Tuple[Patch, ...] = (
     Patch("emitter",  PROVIDERS,   TRACER_PROVIDER,             "shutdown",                      "background.make_draining",                        False),
     Patch("emitter",  PROVIDERS,   METER_PROVIDER,              "force_flush",                   "background.make_draining",                        False),
     Patch("emitter",  PROVIDERS,   METER_PROVIDER,              "shutdown",                      "background.make_draining",                        False),
+    Patch("emitter",  PROVIDERS,   LOGGER_PROVIDER,             "force_flush",                   "background.make_draining",                        False),
+    Patch("emitter",  PROVIDERS,   LOGGER_PROVIDER,             "shutdown",                      "background.make_draining",                        False),
 )
 # fmt: on
 #: Not class patches, so not in :data:`PATCHES` and nothing for ``uninstrument()`` to undo: per
@@ -411,17 +418,38 @@ def install(patches: Patches, telemetry: Telemetry, when: Collection[str] = ("al
 
 
 def _providers_in_use(telemetry: Telemetry) -> Tuple[Tuple[str, Any], ...]:
+    """``((role, provider), ...)``: the providers this package emits to now, those given to
+    ``instrument()``, else the global ones; the logger provider only while the content event is on."""
     options = telemetry.options
     tracer_provider = options.tracer_provider if options.tracer_provider is not None else trace.get_tracer_provider()
     meter_provider = options.meter_provider if options.meter_provider is not None else metrics.get_meter_provider()
-    return ((TRACER_PROVIDER, tracer_provider), (METER_PROVIDER, meter_provider))
+    in_use = ((TRACER_PROVIDER, tracer_provider), (METER_PROVIDER, meter_provider))
+    content = telemetry.content
+    if content is not None and content.event_logger is not None:
+        from opentelemetry import _logs
+
+        logger_provider = options.logger_provider
+        if logger_provider is None:
+            logger_provider = _logs.get_logger_provider()
+        in_use += ((LOGGER_PROVIDER, logger_provider),)
+    return in_use
+
+
+def _ours(telemetry: Telemetry, role: str) -> Any:
+    """``provider -> bool``: whether ``provider`` is the ``role`` provider this package emits to now."""
+
+    def ours(provider: Any) -> bool:
+        return telemetry.active and any(r == role and p is provider for r, p in _providers_in_use(telemetry))
+
+    return ours
 
 
 def wrap_provider_flushes(patches: Patches, telemetry: Telemetry, rows: Optional[Tuple[Patch, ...]] = None) -> None:
     """The :data:`PROVIDERS` rows: the ``force_flush``/``shutdown`` of the class of each provider in
-    use drain the background emitter first. Each method is wrapped where the provider's class (or
-    the first class of its MRO) defines it, once per set of patches; ``uninstrument()`` restores it.
-    Public methods only, found on the object: no SDK module is imported or named here."""
+    use drain the background emitter first, for the providers in use only. Each method is wrapped
+    where the provider's class (or the first class of its MRO) defines it, once per set of patches;
+    ``uninstrument()`` restores it. Public methods only, found on the object: no SDK module is
+    imported or named here."""
     if rows is None:
         rows = tuple(row for row in PATCHES if row.module == PROVIDERS)
     emitter = telemetry.emitter
@@ -443,7 +471,10 @@ def wrap_provider_flushes(patches: Patches, telemetry: Telemetry, rows: Optional
                 continue
             owner = next((klass for klass in type(provider).__mro__ if row.attribute in vars(klass)), None)
             if owner is not None and owner is not object and not patches.is_installed(owner, row.attribute):
-                patches.replace(owner, row.attribute, _factory(row.factory), emitter)
+                factory = _factory(row.factory)
+                patches.replace(
+                    owner, row.attribute, factory, emitter, SIGNAL_OF[row.owner], _ours(telemetry, row.owner)
+                )
         telemetry.wrapped_providers = in_use
 
 
@@ -467,6 +498,12 @@ def start_emitter(patches: Patches, telemetry: Telemetry) -> Any:
             telemetry.emitter = BackgroundEmitter(on_drop=telemetry.count_dropped, before_submit=before_submit)
             install(patches, telemetry, when=("emitter",))
     return telemetry.emitter
+
+
+def sdk_disabled() -> bool:
+    """Whether ``OTEL_SDK_DISABLED`` is ``true`` (OpenTelemetry's switch that makes the SDK's
+    providers hand out no-op tracers and meters; read as the SDK reads it)."""
+    return os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
 
 
 # --- the instrumentor ---------------------------------------------------------------------------
@@ -522,6 +559,12 @@ class GenerateInstrumentor(BaseInstrumentor):
         options = _options.resolve(kwargs)
         # skip_candidate_calls is read from GenerationMixin when its module is imported
         telemetry = Telemetry.from_options(options, profilers=active_profilers)
+        if sdk_disabled():
+            _LOG.info(
+                "otel_generate: OTEL_SDK_DISABLED=true: the OpenTelemetry SDK records nothing, so generate() "
+                "steps are not timed and the device is not waited for; per_token_latency_callback, "
+                "track_token_latency and TokenLatencyProfiler still get their figures"
+            )
         patches = Patches()
         install(patches, telemetry)
         if options.background_emission:
@@ -534,6 +577,8 @@ class GenerateInstrumentor(BaseInstrumentor):
             options.meter_provider,
             telemetry.instruments.values(),
             drain=telemetry.drain_emitter,
+            logs=telemetry.content is not None and telemetry.content.event_logger is not None,
+            logger_provider=options.logger_provider,
         )
 
     def _uninstrument(self, **kwargs: Any) -> None:

@@ -20,33 +20,18 @@ from typing import Any, Callable, Collection, Dict, Optional, Sequence
 
 from opentelemetry import metrics, trace
 
-from otel_generate import _lifecycle
 from otel_generate import attributes as A
 from otel_generate import content as _content
 from otel_generate._faults import Fault, log_fault_once
 from otel_generate.options import Options
 from otel_generate.policy import StepSpanPolicy
-from otel_generate.request import Request
 from otel_generate.version import __version__
 
 INSTRUMENTATION_NAME = "otel_generate"
-#: On the background emitter, yield the interpreter lock after every this many step spans.
-BACKGROUND_YIELD_EVERY = 16
 
 
 def _no_profilers() -> Sequence[Any]:
     return ()
-
-
-#: :func:`otel_generate.emit.finish`, bound by that module when it is imported (it imports this one:
-#: this module imports nothing from the emitter, so the two form no import cycle).
-_finish: Optional[Callable[..., Any]] = None
-
-
-def bind_finish(finish: Callable[..., Any]) -> None:
-    """Called once by :mod:`otel_generate.emit`: the function :meth:`Telemetry.emit` runs."""
-    global _finish
-    _finish = finish
 
 
 class Telemetry:
@@ -104,6 +89,8 @@ class Telemetry:
         self.emitter: Any = None
         #: ``((role, provider), ...)`` whose flushes were last wrapped to drain the emitter
         self.wrapped_providers: tuple = ()
+        #: ``(meter provider, whether it aggregates)`` last asked by :meth:`metrics_live`
+        self._meter_liveness: tuple = (None, False)
         #: the ``generate.emitter.dropped_requests`` counter (``None``: no meter)
         self.dropped_counter: Any = (instruments or {}).get(A.METRIC_EMITTER_DROPPED)
         #: requests still in their set-up (``generate()`` entered, the loop's hooks not all reached):
@@ -143,14 +130,27 @@ class Telemetry:
     def metrics_live(self) -> bool:
         """Whether a measurement recorded now reaches a meter provider that aggregates it: one
         that can be flushed (``force_flush``, as the SDK's ``MeterProvider`` and any exporting
-        provider has), not the API's no-op provider, nor its stand-in while no global provider is
-        set. Asked per request: a global provider may be set after ``instrument()``."""
+        provider has) and hands out real meters, not the API's no-op provider, its stand-in while
+        no global provider is set, nor a provider that gives only the API's ``NoOpMeter`` (the
+        SDK's with ``OTEL_SDK_DISABLED=true``). Asked per request: a global provider may be set
+        after ``instrument()``; the answer is kept per provider object."""
         if not self.instruments:
             return False
         provider = self.options.meter_provider
         if provider is None:
             provider = metrics.get_meter_provider()
-        return callable(getattr(provider, "force_flush", None))
+        known, live = self._meter_liveness
+        if known is provider:
+            return live
+        live = callable(getattr(provider, "force_flush", None))
+        if live:
+            try:
+                meter = provider.get_meter(INSTRUMENTATION_NAME, __version__, schema_url=A.SCHEMA_URL)
+                live = not isinstance(meter, metrics.NoOpMeter)
+            except Exception:  # a provider that cannot say: as before, one that can be flushed is live
+                pass
+        self._meter_liveness = (provider, live)
+        return live
 
     def stop_emitter(self) -> None:
         if self.emitter is not None:
@@ -172,29 +172,6 @@ class Telemetry:
         counter = self.dropped_counter
         if counter is not None:
             counter.add(1, _DROPPED_ATTRIBUTES)
-
-    def emit(self, span: Any, request: Request, profilers: Sequence[Any] = ()) -> tuple:
-        """:func:`~otel_generate.emit.finish` now, or on the background emitter when background
-        emission is on (and no profiler waits for the record).
-
-        Returns:
-            ``(record, deferred)``: the record when built now (else ``None``), and whether the
-            request was handed to the emitter (a full emitter drops it, counted and logged once).
-        """
-        emitter, finish = self.emitter, _finish
-        if finish is None:  # pragma: no cover - every producer imports otel_generate.emit
-            raise RuntimeError("otel_generate.emit is not imported: nothing to emit with")
-        # (a failed request is emitted now: its exception's traceback holds the caller's frames, which
-        # must not outlive the call, and failures are rare)
-        if emitter is not None and self.options.background_emission and not profilers and request.error is None:
-            _lifecycle.recorded = True  # this process has telemetry of its own to flush at exit
-
-            def job() -> None:
-                finish(self, span, request, (), yield_every=BACKGROUND_YIELD_EVERY)
-
-            emitter.submit(job)
-            return None, True
-        return finish(self, span, request, profilers), False
 
 
 #: every :class:`Telemetry` alive (``instrument()`` makes one each time): reset in a forked child

@@ -5,13 +5,12 @@ One :class:`ManagerState` per ``ContinuousBatchingManager``. The hooks
 (:class:`~.cb_records.BatchLog`, :class:`~.cb_records.Delivery`, :class:`~.cb_records.Cancel`: appends
 only, no lock); :meth:`ManagerState.process` takes them in on the background emitter's thread (or the
 thread of a paged ``generate()`` call), files them under each request's :class:`~.cb_records.CBRecord`,
-and hands the finished ones to :mod:`.cb_derive` and then :func:`otel_generate.emit.finish`.
+and hands the finished ones to :mod:`.cb_derive` and then :func:`otel_generate.emit.hand_over`.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import re
 import threading
 import time
@@ -41,8 +40,6 @@ from otel_generate.telemetry import Telemetry
 STATE_ATTR = "_otel_generate_cb"
 #: How long derivation waits for the batch step that delivered an output to end, seconds.
 BODY_WAIT_S = 1.0
-#: The emitter yields the interpreter lock after this many step spans.
-YIELD_EVERY = 16
 #: How often a manager reads the wall clock again to place its monotonic times on it, nanoseconds.
 OFFSET_REFRESH_NS = 10 * clock.NS_PER_S
 
@@ -200,8 +197,8 @@ class ManagerState:
         self.scheduled = False
         self.wait_for_body(self.last_delivery_body)
         self.wait_for_events()
-        for record, request in self.process():
-            emit.finish(self.telemetry, record.span, request, record.profilers, yield_every=YIELD_EVERY)
+        for record, request in self.process():  # (on the emitter's thread: built at once)
+            emit.hand_over(self.telemetry, record.span, request, record.profilers, context=record.context)
 
     def request_of(self, record: CBRecord, outcome: Outcome) -> Request:
         return cb_derive.request_of(record, outcome, self.model_name, self.device)
@@ -437,7 +434,7 @@ def end_in_flight(telemetry: Telemetry) -> None:
             continue
         try:
             for record, request in state.process():
-                emit.finish(telemetry, record.span, request, record.profilers)
+                emit.hand_over(telemetry, record.span, request, record.profilers, record.context, background=False)
             with state.lock:
                 pending = [r for r in state.records.values() if r.group is None]
                 for record in pending:
@@ -451,7 +448,7 @@ def end_in_flight(telemetry: Telemetry) -> None:
                     request.incomplete, request.finish_reasons, request.end_ns = True, None, max(now, record.start_ns)
                 except Exception:
                     request = state.incomplete_request(record, now)
-                emit.finish(telemetry, record.span, request, record.profilers)
+                emit.hand_over(telemetry, record.span, request, record.profilers, record.context, background=False)
         except Exception as fault:
             log_fault_once(Fault.CONTINUOUS_BATCHING_UNINSTRUMENT, fault)
 
@@ -485,15 +482,8 @@ class PagedGroup:
         for state in self.states:
             state.wait_for_body(state.last_delivery_body)
             state.wait_for_events()
-            leftovers = state.process()
-            emitter = state.telemetry.emitter
-            for record, request in leftovers:  # another caller's requests: not this thread's work
-                if emitter is not None:
-                    emitter.submit(
-                        functools.partial(
-                            emit.finish, state.telemetry, record.span, request, record.profilers, YIELD_EVERY
-                        )
-                    )
+            for record, request in state.process():  # another caller's requests: not this thread's work
+                emit.hand_over(state.telemetry, record.span, request, record.profilers, record.context, background=True)
         with self._lock:
             records = list(self.records)
             done = dict(self.done)

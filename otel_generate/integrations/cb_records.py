@@ -149,6 +149,7 @@ class CBRecord:
     __slots__ = (
         "request_id",
         "span",
+        "context",
         "start_ns",
         "start_wall_ns",
         "timed",
@@ -170,6 +171,8 @@ class CBRecord:
     def __init__(self, request_id: str, start_ns: int, start_wall_ns: int, sequences: int) -> None:
         self.request_id = request_id
         self.span: Any = None
+        #: the OpenTelemetry context the request was submitted in (its spans, metrics and event are built on it)
+        self.context: Any = None
         self.start_ns = start_ns
         self.start_wall_ns = start_wall_ns
         self.timed = False

@@ -35,7 +35,7 @@ Derivation, on the :class:`~otel_generate.background.BackgroundEmitter`'s thread
 steps each request took part in (``prefill`` chunks with no token, the step that produced its
 first token, then one ``decode`` per token), the requests sharing each step, the queue time,
 tokens, finish reasons and a streaming request's time to first chunk (the first delivered output
-with generated tokens); then :func:`otel_generate.emit.finish` builds the spans and records the
+with generated tokens); then :func:`otel_generate.emit.hand_over` builds the spans and records the
 metrics. The scheduler thread never builds a span nor records a metric.
 
 A ``generate(..., cache_implementation="paged")`` call hands its rows to ``generate_batch``: the
@@ -171,6 +171,7 @@ def make_add_request(original: Callable, telemetry: Telemetry) -> Callable:
         try:
             record = _record(telemetry, self, signature, args, kwargs, request_id, start_ns, start_wall_ns)
             record.response_id = response_id(context)  # transformers serve 5.25+: the id its client receives
+            record.context = context
             if group is not None:
                 record.group = group
                 record.timed = group.loop.call.timed

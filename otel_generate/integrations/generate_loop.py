@@ -4,7 +4,7 @@ A user's ``model.generate(...)`` is one request, a :class:`~.loop_state.Call`; e
 inside it is a :class:`~.loop_state.Loop` (the modules of this producer, bottom up:
 :mod:`._routing`, :mod:`.streamer`, :mod:`.loop_state`, :mod:`.accounting`, then this one). When
 the user call returns, :func:`finish` accounts its loops (:mod:`.accounting`) into one
-:class:`~otel_generate.request.Request` and hands it to :func:`otel_generate.emit.finish`.
+:class:`~otel_generate.request.Request` and hands it to :func:`otel_generate.emit.hand_over`.
 
 Hooks, installed by :class:`otel_generate.GenerateInstrumentor` as plain functions that the
 compiler does not trace (``torch.compiler.disable(recursive=False)``: under
@@ -103,10 +103,9 @@ def finish(call: Call, result: Any = None, exc: Optional[BaseException] = None) 
                 request.end_ns = clock.monotonic_ns()
             except Exception:  # the clock itself is gone (already logged): let the SDK stamp the end
                 request.incomplete = True
-    if call.track:  # track_token_latency needs the record now
-        record, deferred = emit.finish(call.telemetry, call.span, request, call.profilers, need_record=True), False
-    else:
-        record, deferred = call.telemetry.emit(call.span, request, call.profilers)
+    # built on the caller's context, now current again (the call's own context is detached above);
+    # track_token_latency needs the record now
+    record, deferred = emit.hand_over(call.telemetry, call.span, request, call.profilers, need_record=call.track)
     if record is not None and call.track and result is not None:
         try:
             if _is_tensor(result):
@@ -348,12 +347,6 @@ def make_prepare_generated_length(original: Callable, telemetry: Telemetry) -> C
 
 def make_get_stopping_criteria(original: Callable, telemetry: Telemetry) -> Callable:
     """``GenerationMixin._get_stopping_criteria``: returns the criteria as a recording list."""
-    try:  # read StoppingCriteriaList.__call__'s source now (about 1.6 ms), not in the first request
-        from otel_generate.integrations import step_hook
-
-        step_hook.criteria_call_known()
-    except Exception:  # (the first request's recording_criteria meets it again, and logs it)
-        pass
 
     @functools.wraps(original)
     def _get_stopping_criteria(self, *args, **kwargs):

@@ -78,7 +78,7 @@ SCRIPT = textwrap.dedent(
     def run():
         made = request()
         span = emit.start_request_span(telemetry, made.model, start_time=made.start_wall_ns)
-        record, deferred = telemetry.emit(span, made)
+        record, deferred = emit.hand_over(telemetry, span, made)
         assert deferred  # the default: the background emitter
 
 

@@ -166,6 +166,43 @@ def test_recycled_pool_workers_deliver_every_request_span_under_opentelemetry_in
     assert seen == set(range(TASKS))
 
 
+def test_fork_pool_workers_deliver_every_content_event_with_their_spans(tmp_path):
+    """``EVENT_ONLY`` content capture: each recycled worker's exit flush delivers its request's event
+    (the logger provider's signal) with its spans, 4 of 4, the batch processors set to export
+    only at exit."""
+    tasks = 4
+    with OTLPReceiver() as receiver:
+        results, done = _run_pool_app(
+            tmp_path,
+            "fork",
+            _app_env(
+                OTEL_SERVICE_NAME="pool-app",
+                OTEL_TRACES_EXPORTER="otlp",
+                OTEL_METRICS_EXPORTER="none",
+                OTEL_LOGS_EXPORTER="otlp",
+                OTEL_EXPORTER_OTLP_PROTOCOL=GRPC,
+                OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,
+                OTEL_BSP_SCHEDULE_DELAY=NEVER_BEFORE_EXIT_MS,
+                OTEL_BLRP_SCHEDULE_DELAY=NEVER_BEFORE_EXIT_MS,
+                OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT="EVENT_ONLY",
+            ),
+            tasks=tasks,
+        )
+        spans = [span for _, _, span in receiver.spans(GRPC)]
+        events = [record for _, _, record in receiver.logs(GRPC) if record.event_name]
+    assert "did not finish" not in done.stderr
+    requests = {span.span_id: span for span in spans if span.name.startswith("text_completion ")}
+    assert len(requests) == len(results) == tasks
+    assert len(events) == tasks
+    by_seed = {result["seed"]: result for result in results}
+    tasks_by_id = {span.span_id: attributes(span.attributes) for span in spans if span.name == "task"}
+    for event in events:
+        assert event.event_name == A.EVENT_INFERENCE_OPERATION_DETAILS
+        request = requests[event.span_id]  # each event in its request span's context
+        seed = tasks_by_id[request.parent_span_id]["task.seed"][1]
+        assert attributes(event.attributes)[A.GEN_AI_USAGE_OUTPUT_TOKENS] == ("int_value", by_seed[seed]["generated"])
+
+
 class _SilentEndpoint:
     """Accepts TCP connections on 127.0.0.1 and never answers; counts the OTLP/HTTP trace exports sent to it."""
 

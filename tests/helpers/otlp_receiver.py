@@ -1,12 +1,13 @@
-"""A minimal OTLP receiver for tests: gRPC and HTTP/protobuf, traces and metrics, on 127.0.0.1.
+"""A minimal OTLP receiver for tests: gRPC and HTTP/protobuf, traces, metrics and logs, on 127.0.0.1.
 
 It stands in for an OpenTelemetry Collector. The wire formats come from ``opentelemetry-proto``
 (the same generated messages and gRPC service stubs the SDK's exporters use); this module only
 stores what arrives so a test can decode it.
 
-* gRPC: ``opentelemetry.proto.collector.trace.v1.TraceService/Export`` and
-  ``...metrics.v1.MetricsService/Export`` on ``127.0.0.1:<grpc_port>`` (plaintext).
-* HTTP: ``POST /v1/traces`` and ``POST /v1/metrics`` with an ``application/x-protobuf`` body
+* gRPC: ``opentelemetry.proto.collector.trace.v1.TraceService/Export``,
+  ``...metrics.v1.MetricsService/Export`` and ``...logs.v1.LogsService/Export`` on
+  ``127.0.0.1:<grpc_port>`` (plaintext).
+* HTTP: ``POST /v1/traces``, ``/v1/metrics`` and ``/v1/logs`` with an ``application/x-protobuf`` body
   (gzip or not) on ``127.0.0.1:<http_port>``; any other path gets 404.
 
 Both ports are ephemeral (chosen by the OS). Use it as a context manager; it stops its servers on
@@ -23,23 +24,27 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Dict, Iterator, List, Tuple
 
 import grpc
+from opentelemetry.proto.collector.logs.v1 import logs_service_pb2, logs_service_pb2_grpc
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 TRACES = "traces"
 METRICS = "metrics"
+LOGS = "logs"
 GRPC = "grpc"
 HTTP = "http/protobuf"
 
 _REQUEST_TYPES = {
     TRACES: trace_service_pb2.ExportTraceServiceRequest,
     METRICS: metrics_service_pb2.ExportMetricsServiceRequest,
+    LOGS: logs_service_pb2.ExportLogsServiceRequest,
 }
 _RESPONSE_TYPES = {
     TRACES: trace_service_pb2.ExportTraceServiceResponse,
     METRICS: metrics_service_pb2.ExportMetricsServiceResponse,
+    LOGS: logs_service_pb2.ExportLogsServiceResponse,
 }
-_HTTP_PATHS = {"/v1/traces": TRACES, "/v1/metrics": METRICS}
+_HTTP_PATHS = {"/v1/traces": TRACES, "/v1/metrics": METRICS, "/v1/logs": LOGS}
 
 
 class OTLPReceiver:
@@ -53,7 +58,7 @@ class OTLPReceiver:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.requests: Dict[Tuple[str, str], list] = {
-            (transport, signal): [] for transport in (GRPC, HTTP) for signal in (TRACES, METRICS)
+            (transport, signal): [] for transport in (GRPC, HTTP) for signal in (TRACES, METRICS, LOGS)
         }
         self._grpc_server = None
         self._http_server = None
@@ -66,6 +71,7 @@ class OTLPReceiver:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self), server)
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsService(self), server)
+        logs_service_pb2_grpc.add_LogsServiceServicer_to_server(_LogsService(self), server)
         self.grpc_port = server.add_insecure_port("127.0.0.1:0")
         if not self.grpc_port:
             raise RuntimeError("could not bind the OTLP gRPC receiver on 127.0.0.1")
@@ -159,6 +165,10 @@ class OTLPReceiver:
         """Every metric that arrived over ``transport``, as ``(resource, scope, metric)`` protobufs."""
         return list(_flatten(self.received(transport, METRICS), "resource_metrics", "scope_metrics", "metrics"))
 
+    def logs(self, transport: str) -> List[Tuple[object, object, object]]:
+        """Every log record (event) that arrived over ``transport``, as ``(resource, scope, record)`` protobufs."""
+        return list(_flatten(self.received(transport, LOGS), "resource_logs", "scope_logs", "log_records"))
+
 
 def _flatten(messages: list, resource_field: str, scope_field: str, item_field: str) -> Iterator[tuple]:
     for message in messages:
@@ -184,6 +194,15 @@ class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
     def Export(self, request, context):  # noqa: N802 (gRPC method name)
         self._receiver._store(GRPC, METRICS, request)
         return metrics_service_pb2.ExportMetricsServiceResponse()
+
+
+class _LogsService(logs_service_pb2_grpc.LogsServiceServicer):
+    def __init__(self, receiver: OTLPReceiver) -> None:
+        self._receiver = receiver
+
+    def Export(self, request, context):  # noqa: N802 (gRPC method name)
+        self._receiver._store(GRPC, LOGS, request)
+        return logs_service_pb2.ExportLogsServiceResponse()
 
 
 def any_value(value):

@@ -425,7 +425,7 @@ def test_unsampled_requests_time_steps_only_for_the_metrics(
 def test_unsampled_request_next_to_a_sampled_one(span_exporter, meter_provider, llama, monkeypatch):
     """An unsampled request shares batch steps with a sampled one: only the sampled one gets steps."""
     finished = []
-    monkeypatch.setattr(CB.emit, "finish", lambda telemetry, span, request, *a, **k: finished.append(request))
+    monkeypatch.setattr(CB.emit, "hand_over", lambda telemetry, span, request, *a, **k: finished.append(request))
     provider = TracerProvider(sampler=ParentBased(ALWAYS_OFF))
     provider.add_span_processor(SimpleSpanProcessor(span_exporter))
     instrumentor = GenerateInstrumentor()

@@ -404,8 +404,9 @@ def test_every_collection_reads_every_request(temporality, reader_kind, instrume
             provider.force_flush()  # the tracer provider's own flush drains the background emitter first
             found = points(reader)
         else:
-            meter_provider.force_flush()  # drains the emitter, then the reader collects and exports
+            meter_provider.force_flush()  # records the requests' metrics first, then the reader collects and exports
             found = points_of(collected.exports[-1])
+            provider.force_flush()  # the spans: the tracer provider's flush waits for the emitter to build them
         spans = exporter.get_finished_spans()
         exporter.clear()
         latencies = [

@@ -230,8 +230,8 @@ def test_a_drain_waits_for_the_jobs_queued_before_it_not_for_later_ones():
     assert emitter.drain(10.0)
 
 
-def test_a_wrapped_flush_keeps_to_its_timeout_and_reports_an_unfinished_drain(caplog):
-    from otel_generate.background import BackgroundEmitter, make_draining
+def test_a_wrapped_flush_splits_its_timeout_and_reports_an_unfinished_drain(caplog):
+    from otel_generate.background import DRAIN_SHARE, BackgroundEmitter, make_draining
 
     emitter = BackgroundEmitter()
     release = _blocked(emitter)
@@ -243,16 +243,41 @@ def test_a_wrapped_flush_keeps_to_its_timeout_and_reports_an_unfinished_drain(ca
             given.append(timeout_millis)
             return True
 
-    flush = make_draining(Provider.force_flush, emitter)
+    flush = make_draining(Provider.force_flush, emitter, "traces", lambda provider: True)
     started = time.monotonic()
     assert flush(Provider(), timeout_millis=300) is False  # its own flush finished, the drain did not
     assert time.monotonic() - started < 0.6
-    assert given[0] <= 100  # what was left of the 300 ms after the drain waited
-    assert flush(Provider(), 300) is False and given[1] <= 100  # positional too
+    # the drain waited its share (150 ms) and no more; the provider got the rest, never less
+    assert 300 * (1 - DRAIN_SHARE) <= given[0] <= 300 * (1 - DRAIN_SHARE) + 20
+    assert flush(Provider(), 300) is False and 150 <= given[1] <= 170  # positional too
     assert "still held 2 finished request(s)" in caplog.text
     assert caplog.text.count("still held") == 1  # at most once an interval
     release.set()
     assert flush(Provider(), timeout_millis=5000) is True and given[2] > 4000
+
+
+def test_a_provider_that_is_not_ours_flushes_as_without_the_emitter(caplog):
+    from otel_generate.background import BackgroundEmitter, make_draining
+
+    emitter = BackgroundEmitter()
+    release = _blocked(emitter)
+    emitter.submit(lambda: None)
+    given = []
+
+    class Provider:
+        def force_flush(self, timeout_millis=30_000):
+            given.append(timeout_millis)
+            return "its own answer"
+
+    ours, theirs = Provider(), Provider()
+    flush = make_draining(Provider.force_flush, emitter, "traces", lambda provider: provider is ours)
+    started = time.monotonic()
+    assert flush(theirs, timeout_millis=100) == "its own answer" and given == [100]
+    assert flush(theirs) == "its own answer" and given == [100, 30_000]
+    assert time.monotonic() - started < 0.05  # the blocked queue was not waited for
+    assert "still held" not in caplog.text
+    release.set()
+    assert emitter.drain(5.0)
 
 
 def test_an_exit_drain_that_runs_out_of_time_says_what_is_lost(caplog, monkeypatch):
