@@ -218,7 +218,7 @@ def timed_call(
 def devices_of(model: Any) -> Iterable[Any]:
     """The devices a transformers model runs on: every device of ``hf_device_map`` plus ``model.device``."""
     found = []
-    device_map = _instance_attribute(model, "hf_device_map")
+    device_map = getattr(model, "hf_device_map", None)
     if isinstance(device_map, dict):
         for value in device_map.values():
             if isinstance(value, int):
@@ -249,124 +249,7 @@ def device_name(device: Any) -> str:
     return name
 
 
-#: ``transformers``' ``ModuleUtilsMixin.device`` (5.x), whose value :func:`model_device` reads
-#: without its generators: the device of the model's first parameter.
-_FIRST_PARAMETER_DEVICE = """
-@property
-def device(self: "PreTrainedModel") -> torch.device:
-    return next(param.device for param in self.parameters())
-"""
-_device_readers: dict = {}  # model class -> whether model_device may walk its modules itself
-
-
 def model_device(model: Any) -> Any:
-    """``getattr(model, "device", None)``: where the model's ``device`` is transformers' own
-    (:data:`_FIRST_PARAMETER_DEVICE`: the first of ``model.parameters()``) and the module methods
-    that order the parameters are ``torch.nn.Module``'s, the first parameter is found by walking
-    the modules in the order ``named_modules()`` visits them (about a tenth of the cost);
-    otherwise, and for a model with no parameter, the attribute itself."""
-    cls = type(model)
-    walk = _device_readers.get(cls)
-    if walk is None:
-        walk = _device_readers[cls] = _reads_first_parameter(cls)
-    if walk:
-        parameter = _first_parameter(model)
-        if parameter is not None:
-            return parameter.device
+    """``model.device`` (transformers' property: the device of its first parameter), or ``None``
+    where the model has none."""
     return getattr(model, "device", None)
-
-
-def _reads_first_parameter(cls: type) -> bool:
-    try:
-        import inspect
-
-        import torch
-
-        from otel_generate._source import same_code
-
-        module = torch.nn.Module
-        device = inspect.getattr_static(cls, "device", None)
-        return (
-            isinstance(device, property)
-            and same_code(device.fget, _FIRST_PARAMETER_DEVICE)
-            and all(
-                getattr(cls, name) is getattr(module, name)
-                for name in ("parameters", "named_parameters", "_named_members", "named_modules")
-            )
-        )
-    except Exception:  # not a torch module, no source, another layout: the attribute itself
-        return False
-
-
-def _first_parameter(model: Any) -> Any:
-    """The first of ``model.parameters()``, or ``None`` where that cannot be told without calling
-    it (a module on the way overrides ``named_modules``) or there is none."""
-    named_modules = _module_named_modules()
-    stack = [model]
-    seen = set()
-    while stack:
-        module = stack.pop()
-        if module is None or module in seen:  # (a None child; named_modules' memo: a shared module once)
-            continue
-        seen.add(module)
-        if type(module).named_modules is not named_modules:
-            return None
-        for value in module._parameters.values():
-            if value is not None:
-                return value
-        children = list(module._modules.values())
-        children.reverse()
-        stack += children
-    return None
-
-
-def _module_named_modules() -> Any:
-    global _named_modules
-    if _named_modules is None:
-        import torch
-
-        _named_modules = torch.nn.Module.named_modules
-    return _named_modules
-
-
-_named_modules: Any = None
-
-
-def _instance_attribute(model: Any, name: str) -> Any:
-    """``getattr(model, name, None)``; for a ``torch.nn.Module`` whose class has no such attribute
-    and no ``__getattr__`` of its own, read from the instance's own dictionaries (a failed lookup
-    through ``Module.__getattr__`` raises and catches an ``AttributeError``)."""
-    state = getattr(model, "__dict__", None)
-    cls = type(model)
-    if state is not None and "_parameters" in state and "_modules" in state and "_buffers" in state:
-        key = (cls, name)
-        plain = _plain_attributes.get(key)
-        if plain is None:
-            plain = _plain_attributes[key] = _is_plain_attribute(cls, name)
-        if plain:
-            for where in (state, state["_parameters"], state["_buffers"], state["_modules"]):
-                if name in where:
-                    return where[name]
-            return None
-    return getattr(model, name, None)
-
-
-_plain_attributes: dict = {}  # (module class, name) -> whether _instance_attribute may read the dictionaries
-
-
-def _is_plain_attribute(cls: type, name: str) -> bool:
-    try:
-        import inspect
-
-        import torch
-
-        return (
-            inspect.getattr_static(cls, name, _MISSING) is _MISSING
-            and inspect.getattr_static(cls, "__getattr__", None) is torch.nn.Module.__getattr__
-            and cls.__getattribute__ is object.__getattribute__
-        )
-    except Exception:
-        return False
-
-
-_MISSING = object()

@@ -17,11 +17,8 @@ appends them itself; where, in
 addition, the loop is transformers' own greedy or sampling loop (``one_token_steps``: it appends
 exactly one token per row before each call), the length is not read at all: after step ``i`` it
 is the prompt width plus ``i + 1`` (:meth:`StepRecorder.step_lengths`; the accounting checks it
-against the returned sequences). On that plain path the list runs ``StoppingCriteriaList.__call__``'s
-own code in its own frame rather than calling it (one Python call less a step, about 1,300
-instructions), only where the installed code is exactly the code it repeats
-(:func:`criteria_call_known`, read once per function object, when each request's list is
-built: a later patch of it is called from the next request on). Spans are
+against the returned sequences). ``StoppingCriteriaList.__call__`` itself is always called, as
+transformers calls it: a patch of it is followed from the next step. Spans are
 built from these numbers only after ``generate()`` returns, so the loop pays no span cost, and
 the criteria's result is never touched.
 """
@@ -29,15 +26,11 @@ the criteria's result is never touched.
 from __future__ import annotations
 
 import copy
-import inspect
-import sys
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional
 
-import torch
 from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria, StoppingCriteriaList
 
 from otel_generate._faults import Fault
-from otel_generate._source import same_body
 
 #: Stopping criteria that end every row at the same step (the length budget, ``max_time``).
 _ALL_ROWS_AT_ONCE = (MaxLengthCriteria, MaxTimeCriteria)
@@ -198,68 +191,21 @@ class StepRecorder:
         self._on_fault(Fault.STEP_HOOK, exc)
 
 
-#: The body of transformers' ``StoppingCriteriaList.__call__`` (4.46 to 5.24 alike) that
-#: :class:`RecordingCriteriaList` repeats on its plain path, saving a call per step; compared with
-#: the installed code (:func:`criteria_call_known`) before it is relied on.
-_CRITERIA_CALL_SOURCE = """
-def __call__(self, input_ids, scores, **kwargs):
-    is_done = torch.full((input_ids.shape[0],), False, device=input_ids.device, dtype=torch.bool)
-    for criteria in self:
-        is_done = is_done | criteria(input_ids, scores, **kwargs)
-    return is_done
-"""
-#: the ``StoppingCriteriaList.__call__`` last checked, and whether it is the known code
-_checked_call: Tuple[Any, bool] = (None, False)
-
-
-def criteria_call_known() -> bool:
-    """Whether the installed ``StoppingCriteriaList.__call__`` runs exactly
-    :data:`_CRITERIA_CALL_SOURCE` (its signature's annotations and decorators aside), is a plain
-    function (not a wrapper, whose source would read as the function's) and its module's ``torch``
-    is this ``torch``. Read once per function object: checked again when the attribute is replaced."""
-    global _checked_call
-    call = StoppingCriteriaList.__dict__.get("__call__")
-    checked, known = _checked_call
-    if call is checked and call is not None:
-        return known
-    try:
-        module = sys.modules[call.__module__]
-        known = bool(
-            inspect.isfunction(call)
-            and not hasattr(call, "__wrapped__")
-            and same_body(call, _CRITERIA_CALL_SOURCE)
-            and vars(module).get("torch") is torch
-        )
-    except Exception:  # no source, another layout: never relied on
-        known = False
-    _checked_call = (call, known)
-    return known
-
-
 class RecordingCriteriaList(StoppingCriteriaList):
     """A ``StoppingCriteriaList`` that reports each call to a :class:`StepRecorder`.
 
-    It holds the same criteria and returns exactly what ``StoppingCriteriaList`` returns: a
-    BoolTensor ``(rows,)``, ``True`` where a row is done. On the plain path (:attr:`_plain`: a step
-    is nothing but the appends of a :data:`PlainStep`), where the ``StoppingCriteriaList.__call__``
-    installed when the list was built is the known code (:func:`criteria_call_known`), it runs that
-    code in its own frame (:attr:`_inline`), then appends; otherwise it calls it. A patch of
-    ``StoppingCriteriaList.__call__`` made while a request is decoding is therefore followed from
-    the next request on (transformers would call it from the next step); one made between requests
-    is called by the next request. Checking at every call would cost about half of what the inline
-    path saves. A call with keywords (transformers passes none) always takes the call path.
+    It holds the same criteria and returns exactly what ``StoppingCriteriaList`` returns (it calls
+    it: a BoolTensor ``(rows,)``, ``True`` where a row is done), then records the step. On the plain
+    path (:attr:`_plain`: a step is nothing but the appends of a :data:`PlainStep`) it appends
+    them itself, the recorder's own call saved.
     """
 
     def __init__(self, criteria, recorder: StepRecorder) -> None:
         super().__init__(criteria)
         self.recorder = recorder
         #: the recorder's :data:`PlainStep` when a step is only its appends (no device to wait
-        #: for, no callback, no candidate calls to skip): then this call appends them itself, the
-        #: recorder's own call saved
+        #: for, no callback, no candidate calls to skip): then this call appends them itself
         self._plain = recorder.plain_step()
-        #: the same, where ``StoppingCriteriaList.__call__`` is now the code this call repeats
-        #: inline (read when the list is built: a patch of it takes effect from the next request)
-        self._inline = self._plain if criteria_call_known() else None
 
     def __deepcopy__(self, memo):
         """A copy (transformers' ``validate_stopping_criteria`` deep-copies a criteria list) holds
@@ -272,22 +218,14 @@ class RecordingCriteriaList(StoppingCriteriaList):
         return copied
 
     def __call__(self, input_ids, scores, **kwargs):
-        step = self._inline
-        if step is not None and not kwargs:
-            # StoppingCriteriaList.__call__'s own code (criteria_call_known), without the call
-            # (how transformers calls it: no keyword, so a plain call, not one unpacking a dict)
-            is_done = torch.full((input_ids.shape[0],), False, device=input_ids.device, dtype=torch.bool)
-            for criteria in self:
-                is_done = is_done | criteria(input_ids, scores)
-        else:
-            if kwargs:
-                is_done = StoppingCriteriaList.__call__(self, input_ids, scores, **kwargs)
-            else:  # (no keyword to pass on)
-                is_done = StoppingCriteriaList.__call__(self, input_ids, scores)
-            step = self._plain
-            if step is None:  # a device to wait for, a callback, candidate calls to skip
-                self.recorder(input_ids, is_done)
-                return is_done
+        if kwargs:
+            is_done = StoppingCriteriaList.__call__(self, input_ids, scores, **kwargs)
+        else:  # (how transformers calls it: no keyword to pass on)
+            is_done = StoppingCriteriaList.__call__(self, input_ids, scores)
+        step = self._plain
+        if step is None:  # a device to wait for, a callback, candidate calls to skip
+            self.recorder(input_ids, is_done)
+            return is_done
         append_time, clock, append_length, append_done = step
         try:
             append_time(clock())  # (after a fault, stop_plain_step made these two do nothing)

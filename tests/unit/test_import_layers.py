@@ -37,7 +37,6 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
             "policy",
             "figures",
             "tokens",
-            "_source",
         ),
     ),
     (
