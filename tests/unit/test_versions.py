@@ -95,3 +95,20 @@ def test_doctor_names_a_hiding_folder_only_where_no_regular_package_is_found(tmp
     assert package.hidden_by(str(tmp_path / "clone")) == [str(tmp_path / "clone" / "otel_generate")]
     monkeypatch.setattr(sys, "path", [str(tmp_path / "site")])  # a regular install on the path wins
     assert package.hidden_by(str(tmp_path / "clone")) is None
+
+
+def test_doctor_names_each_requirement_not_met_and_passes_those_met():
+    from importlib import metadata
+
+    from otel_generate import doctor
+
+    installed = metadata.version("packaging")
+    assert doctor.requirement_problems(
+        ["no-such-distribution-of-otel-generate >= 1.0", f"packaging > {installed}", f"packaging >= {installed}"]
+    ) == [
+        "no-such-distribution-of-otel-generate is not installed: this instrumentation needs "
+        "no-such-distribution-of-otel-generate >= 1.0",
+        f"packaging {installed} is outside the supported range (packaging > {installed}): instrument() refuses "
+        "to run and traces nothing (opentelemetry-instrument skips this instrumentation)",
+    ]
+    assert doctor.requirement_problems(_instruments) == []  # this venv is a supported one
