@@ -50,6 +50,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
             "ranks",
             "_patch",
             "background",
+            "_export_loss",
         ),
     ),
     ("request", ("request",)),
