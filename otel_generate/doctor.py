@@ -8,7 +8,8 @@ built or run), turns the instrumentation on in its own process as ``opentelemetr
 * each patch point: ``installed`` (the hook is in place), ``found`` (transformers has it; not asked
   for by the options), or ``missing`` (not found, or its signature lacks what the hook reads);
 * each feature (:data:`otel_generate.instrumentor.FEATURES`): ``traced``, ``not traced`` (with the
-  points it lacks), or ``not in this transformers`` (its module does not exist in this release);
+  points it lacks), ``not in this transformers`` (its module does not exist in this release), or
+  ``not available here`` (its module needs a library that is not installed, e.g. a server's);
 * the tracer, meter and logger providers in effect, the exporters the ``OTEL_*`` environment configures
   (what ``opentelemetry-instrument`` sets up) with their endpoints, and whether each endpoint
   accepts a TCP connection within 1 s;
@@ -54,6 +55,8 @@ DESCRIPTION = (
 #: Seconds to wait for an endpoint to accept a TCP connection.
 CONNECT_TIMEOUT_S = 1.0
 TRACED, NOT_TRACED, ABSENT = "traced", "not traced", "not in this transformers"
+#: A feature whose module imports a library that is not installed (its optional dependency).
+UNAVAILABLE = "not available here"
 #: How a module of the patch table that exists but raises on import is reported.
 FAILED = "failed to import"
 INSTALLED, FOUND, MISSING = "installed", "found", "missing"
@@ -249,8 +252,10 @@ def _versions() -> Dict[str, Optional[str]]:
 
 
 def _import_modules(ins: Any) -> Dict[str, Optional[str]]:
-    """Import every transformers module of the patch table: ``{module: None}`` when imported, else why not
-    (:data:`ABSENT` when it does not exist in this transformers, or transformers is not installed)."""
+    """Import every transformers module of the patch table: ``{module: None}`` when imported, else why
+    not, starting with :data:`ABSENT` (it does not exist in this transformers, or transformers is not
+    installed), :data:`UNAVAILABLE` (a library outside transformers that it imports is not installed:
+    the feature cannot be used here) or :data:`FAILED` (anything else: a problem)."""
     outcome: Dict[str, Optional[str]] = {}
     for row in ins.PATCHES:
         if row.module in outcome or not row.module.startswith("transformers"):
@@ -259,9 +264,12 @@ def _import_modules(ins: Any) -> Dict[str, Optional[str]]:
             importlib.import_module(row.module)
             outcome[row.module] = None
         except ModuleNotFoundError as exc:
-            if exc.name is not None and (row.module == exc.name or row.module.startswith(exc.name + ".")):
+            name = exc.name or ""
+            if name and (row.module == name or row.module.startswith(name + ".")):
                 outcome[row.module] = f"{ABSENT} ({_one_line(exc)})"
-            else:  # the module exists, and something it imports does not
+            elif name and name.split(".")[0] != "transformers":  # an optional library of the feature
+                outcome[row.module] = f"{UNAVAILABLE} (needs {name.split('.')[0]}, which is not installed)"
+            else:  # the module exists, and a module of transformers it imports does not
                 outcome[row.module] = f"{FAILED} ({_one_line(exc)})"
         except Exception as exc:  # a module that exists and fails to import
             outcome[row.module] = f"{FAILED} ({_one_line(exc)})"
@@ -277,6 +285,9 @@ def _feature(ins: Any, feature: Any, modules: Dict[str, Optional[str]], wanted: 
     reason = modules.get(feature.anchor)
     if reason is not None and reason.startswith(FAILED):
         entry.update(status=NOT_TRACED, lost=feature.lost, problems={feature.anchor: reason})
+        return entry
+    if reason is not None and reason.startswith(UNAVAILABLE):
+        entry.update(status=UNAVAILABLE, reason=reason)
         return entry
     if reason is not None or feature.anchor not in sys.modules:
         entry.update(status=ABSENT, reason=reason or "not imported")
@@ -470,7 +481,8 @@ def render(found: Dict[str, Any]) -> str:
     lines.append(f"  {'instrumentation':<20} {turned_on}")
     lines += ["", f"features (transformers {found['transformers'] or 'not installed'})"]
     for feature in found["features"]:
-        lines.append(f"  {feature['name']:<20} {feature['status']}")
+        status = feature["reason"] if feature["status"] == UNAVAILABLE else feature["status"]
+        lines.append(f"  {feature['name']:<20} {status}")
         if feature["status"] == NOT_TRACED:
             for point, problem in feature["problems"].items():
                 lines.append(f"  {'':<20}   {feature['lost']}: `{point}` {problem}")
