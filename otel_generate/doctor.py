@@ -236,7 +236,8 @@ def verdict(problems: List[Dict[str, str]], transformers: Optional[str], found: 
         return f"FAIL: {count} ({', '.join(kinds)})"
     endpoints = len({entry["address"] for entry in found if "address" in entry})
     reached = f"{endpoints} endpoint{'s' if endpoints > 1 else ''} reachable" if endpoints else "no OTLP endpoint"
-    return f"OK: no problem (transformers {transformers} supported, every feature traced, {reached}, options valid)"
+    features = f"transformers {transformers} supported, every feature it has traced"
+    return f"OK: no problem ({features}, {reached}, options valid)"
 
 
 def _versions() -> Dict[str, Optional[str]]:

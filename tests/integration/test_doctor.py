@@ -116,7 +116,7 @@ def test_doctor_on_a_good_set_up_exits_0_lists_every_option_and_the_hint(tmp_pat
     assert report["versions"]["transformers"] == transformers.__version__
     assert report["problems"] == [] and report["exit_status"] == 0
     assert report["verdict"] == (
-        f"OK: no problem (transformers {transformers.__version__} supported, every feature traced,"
+        f"OK: no problem (transformers {transformers.__version__} supported, every feature it has traced,"
         " 1 endpoint reachable, options valid)"
     )
     features = {f["name"]: f["status"] for f in report["features"]}
