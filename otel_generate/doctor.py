@@ -8,19 +8,27 @@ built or run), turns the instrumentation on in its own process as ``opentelemetr
 * each patch point: ``installed`` (the hook is in place), ``found`` (transformers has it; not asked
   for by the options), or ``missing`` (not found, or its signature lacks what the hook reads);
 * each feature (:data:`otel_generate.instrumentor.FEATURES`): ``traced``, ``not traced`` (with the
-  points it lacks), or ``not in this transformers`` (its module does not exist in this release);
-* the tracer and meter providers in effect, the exporters the ``OTEL_*`` environment configures
+  points it lacks), ``not in this transformers`` (its module does not exist in this release), or
+  ``not available here`` (its module needs a library that is not installed, e.g. a server's);
+* the tracer, meter and logger providers in effect, the exporters the ``OTEL_*`` environment configures
   (what ``opentelemetry-instrument`` sets up) with their endpoints, and whether each endpoint
   accepts a TCP connection within 1 s;
-* the options in effect and where each came from (an ``instrument()`` argument, the environment,
-  the default);
+* every option but the providers, in effect, and where each came from (an ``instrument()`` argument,
+  the environment, the default);
 * a hint when ``import otel_generate`` run from the current folder would find a folder named
   ``otel_generate`` that is no package (a clone's root seen from its parent folder): Python then
-  imports it as a namespace package, and ``from otel_generate import GenerateInstrumentor`` fails.
+  imports it as a namespace package, and ``from otel_generate import GenerateInstrumentor`` fails;
+* the problems, one line each, and last a verdict: ``OK`` or ``FAIL`` with the number of problems.
 
-Exit status: 0 when every feature of the installed transformers is traced, 1 when one is not, 2 on
-bad usage (argparse's usage line and message on stderr). An endpoint that is not reachable is
-reported, and is not a failure: a backend being down is not the instrumentation's fault.
+A problem is any of: a library this instrumentation instruments (transformers, torch) not installed,
+or installed outside the supported range (``instrument()`` then refuses to run); a feature of the
+installed transformers that is not traced (a patch point missing, a signature that lacks what the
+hook reads, a module that fails to import); an OTLP endpoint the environment configures that
+accepts no TCP connection within 1 s, or that is no host and port; an option whose environment
+variable holds a value that cannot be parsed (the default applies instead).
+
+Exit status: 0 when there is no problem, 1 when there is one, 2 on bad usage (argparse's usage line
+and message on stderr).
 """
 
 from __future__ import annotations
@@ -39,14 +47,18 @@ from urllib.parse import urlsplit
 PROG = "otel-generate doctor"
 DESCRIPTION = (
     "Check this environment: the versions, each transformers patch point (installed, found, missing), each "
-    "feature (traced or not), the tracer and meter providers, the configured exporters and whether their "
+    "feature (traced or not), the tracer, meter and logger providers, the configured exporters and whether their "
     "endpoints accept a connection (1 s), and the options in effect with where each came from. Imports "
-    "transformers, runs no model. Exit status 0: every feature of this transformers is traced; 1: one is not; "
-    "2: bad usage."
+    "transformers, runs no model. Exit status 0: no problem; 1: a problem (transformers missing or outside the "
+    "supported range, a feature not traced, an endpoint not reachable, an option with an invalid value); 2: bad usage."
 )
 #: Seconds to wait for an endpoint to accept a TCP connection.
 CONNECT_TIMEOUT_S = 1.0
 TRACED, NOT_TRACED, ABSENT = "traced", "not traced", "not in this transformers"
+#: A feature whose module imports a library that is not installed (its optional dependency).
+UNAVAILABLE = "not available here"
+#: How a module of the patch table that exists but raises on import is reported.
+FAILED = "failed to import"
 INSTALLED, FOUND, MISSING = "installed", "found", "missing"
 SIGNALS = ("traces", "metrics", "logs")
 _DISTRIBUTIONS = (
@@ -111,15 +123,11 @@ def report() -> Dict[str, Any]:
     versions = _versions()
     from otel_generate import instrumentor as ins
     from otel_generate import options as _options
-    from otel_generate import package
 
     instrumentor = ins.GenerateInstrumentor()
     turned_on_here = False
-    refused = None
+    unmet = requirement_problems(instrumentor.instrumentation_dependencies())
     if not instrumentor.is_instrumented_by_opentelemetry:
-        conflict = package.dependency_conflict(instrumentor.instrumentation_dependencies())
-        if conflict is not None:
-            refused = str(conflict)
         instrumentor.instrument(skip_dep_check=True)  # to see every hook installed, whatever the versions say
         turned_on_here = True
     modules = _import_modules(ins)
@@ -132,22 +140,104 @@ def report() -> Dict[str, Any]:
     features = [_feature(ins, feature, modules, wanted) for feature in ins.FEATURES]
     points = _points(ins, modules, patches, features, wanted)
     given = instrumentor.given_options
+    found_exporters = exporters()
+    options = _options.explain(given)
     found = {
         "versions": versions,
         "transformers": ins.transformers_version() if "transformers" in sys.modules else None,
         "instrumentation": {
             "turned_on_by": "otel-generate doctor" if turned_on_here else "the application",
-            "version_check": refused or "passed",
+            "version_check": "refused" if unmet else "passed",
         },
         "patch_points": points,
         "features": features,
         "providers": _providers(given),
-        "exporters": exporters(),
-        "options": _options.explain(given),
+        "exporters": found_exporters,
+        "options": options,
         "hint": hint,
     }
-    found["exit_status"] = 1 if any(f["status"] == NOT_TRACED for f in features) else 0
+    problems = [{"kind": DEPENDENCY, "problem": text} for text in unmet]
+    problems += _feature_problems(features)
+    problems += _endpoint_problems(found_exporters)
+    problems += [{"kind": OPTION, "problem": entry["problem"]} for entry in options.values() if "problem" in entry]
+    found["problems"] = problems
+    found["exit_status"] = 1 if problems else 0
+    found["verdict"] = verdict(problems, found["transformers"], found_exporters)
     return found
+
+
+# --- problems -----------------------------------------------------------------------------------
+
+#: The kinds of problem, as the report and the verdict name them.
+DEPENDENCY, FEATURE, ENDPOINT, OPTION = "dependency", "feature", "endpoint", "option"
+
+
+def requirement_problems(requirements: Sequence[str]) -> List[str]:
+    """One sentence per requirement (``"transformers >= 4.46.3"``) the installed distributions do not
+    meet: not installed, or a version outside the range (a pre-release read as its release, as
+    :func:`otel_generate.package.satisfies` reads it)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    from otel_generate import package
+
+    problems = []
+    for text in requirements:
+        requirement = Requirement(text)
+        try:
+            installed = metadata.version(requirement.name)
+        except metadata.PackageNotFoundError:
+            problems.append(f"{requirement.name} is not installed: this instrumentation needs {text}")
+            continue
+        if not package.satisfies(requirement, installed):
+            problems.append(
+                f"{requirement.name} {installed} is outside the supported range ({text}): instrument() "
+                f"refuses to run and traces nothing (opentelemetry-instrument skips this instrumentation)"
+            )
+    return problems
+
+
+def _feature_problems(features: List[Dict[str, Any]]) -> List[Dict[str, str]]:
+    problems = []
+    for feature in features:
+        if feature["status"] == NOT_TRACED:
+            for point, problem in feature["problems"].items():
+                text = f"{feature['name']} not traced ({feature['lost']}): `{point}` {problem}"
+                problems.append({"kind": FEATURE, "problem": text})
+    return problems
+
+
+def _endpoint_problems(found: List[Dict[str, Any]]) -> List[Dict[str, str]]:
+    """One problem per OTLP endpoint not reachable (or not a host and port), naming its signals."""
+    signals: Dict[Tuple[str, str], List[Dict[str, Any]]] = {}
+    for entry in found:
+        if "address" in entry and not entry["reachable"]:
+            signals.setdefault((entry["endpoint"], entry["address"]), []).append(entry)
+    problems = []
+    for (endpoint, address), entries in signals.items():
+        names = [entry["signal"] for entry in entries]
+        names = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+        sources = sorted({entry["endpoint_source"] for entry in entries})
+        if entries[0].get("error"):
+            why = entries[0]["error"]
+        else:
+            why = f"no TCP connection to {address} within {CONNECT_TIMEOUT_S:g} s"
+        text = f"the {names} endpoint {endpoint} ({', '.join(sources)}) is not reachable: {why}"
+        problems.append({"kind": ENDPOINT, "problem": text})
+    return problems
+
+
+def verdict(problems: List[Dict[str, str]], transformers: Optional[str], found: List[Dict[str, Any]]) -> str:
+    """The report's last line: ``OK: ...`` when there is no problem, else ``FAIL: ...`` with their count."""
+    if problems:
+        kinds = list(dict.fromkeys(problem["kind"] for problem in problems))
+        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        return f"FAIL: {count} ({', '.join(kinds)})"
+    endpoints = len({entry["address"] for entry in found if "address" in entry})
+    reached = f"{endpoints} endpoint{'s' if endpoints > 1 else ''} reachable" if endpoints else "no OTLP endpoint"
+    features = f"transformers {transformers} supported, every feature it has traced"
+    return f"OK: no problem ({features}, {reached}, options valid)"
 
 
 def _versions() -> Dict[str, Optional[str]]:
@@ -163,7 +253,10 @@ def _versions() -> Dict[str, Optional[str]]:
 
 
 def _import_modules(ins: Any) -> Dict[str, Optional[str]]:
-    """Import every transformers module of the patch table: ``{module: None}`` when imported, else why not."""
+    """Import every transformers module of the patch table: ``{module: None}`` when imported, else why
+    not, starting with :data:`ABSENT` (it does not exist in this transformers, or transformers is not
+    installed), :data:`UNAVAILABLE` (a library outside transformers that it imports is not installed:
+    the feature cannot be used here) or :data:`FAILED` (anything else: a problem)."""
     outcome: Dict[str, Optional[str]] = {}
     for row in ins.PATCHES:
         if row.module in outcome or not row.module.startswith("transformers"):
@@ -171,17 +264,34 @@ def _import_modules(ins: Any) -> Dict[str, Optional[str]]:
         try:
             importlib.import_module(row.module)
             outcome[row.module] = None
-        except ImportError as exc:
-            outcome[row.module] = f"not in this transformers ({type(exc).__name__}: {exc})"
+        except ModuleNotFoundError as exc:
+            name = exc.name or ""
+            if name and (row.module == name or row.module.startswith(name + ".")):
+                outcome[row.module] = f"{ABSENT} ({_one_line(exc)})"
+            elif name and name.split(".")[0] != "transformers":  # an optional library of the feature
+                outcome[row.module] = f"{UNAVAILABLE} (needs {name.split('.')[0]}, which is not installed)"
+            else:  # the module exists, and a module of transformers it imports does not
+                outcome[row.module] = f"{FAILED} ({_one_line(exc)})"
         except Exception as exc:  # a module that exists and fails to import
-            outcome[row.module] = f"failed to import ({type(exc).__name__}: {exc})"
+            outcome[row.module] = f"{FAILED} ({_one_line(exc)})"
     return outcome
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
 def _feature(ins: Any, feature: Any, modules: Dict[str, Optional[str]], wanted: Any) -> Dict[str, Any]:
     entry: Dict[str, Any] = {"name": feature.name, "anchor": feature.anchor}
-    if modules.get(feature.anchor) is not None or feature.anchor not in sys.modules:
-        entry.update(status=ABSENT, reason=modules.get(feature.anchor) or "not imported")
+    reason = modules.get(feature.anchor)
+    if reason is not None and reason.startswith(FAILED):
+        entry.update(status=NOT_TRACED, lost=feature.lost, problems={feature.anchor: reason})
+        return entry
+    if reason is not None and reason.startswith(UNAVAILABLE):
+        entry.update(status=UNAVAILABLE, reason=reason)
+        return entry
+    if reason is not None or feature.anchor not in sys.modules:
+        entry.update(status=ABSENT, reason=reason or "not imported")
         return entry
     problems = ins.feature_problems(feature, wanted)
     problems.update(ins.detail_problems(feature))
@@ -244,12 +354,14 @@ def _qualified(obj: Any) -> str:
 
 
 def _providers(given: Dict[str, Any]) -> Dict[str, Dict[str, str]]:
-    from opentelemetry import metrics, trace
+    """The tracer, meter and logger providers this package uses: the ``instrument()`` argument, else the global."""
+    from opentelemetry import _logs, metrics, trace
 
     found = {}
     for label, name, current in (
         ("tracer", "tracer_provider", trace.get_tracer_provider),
         ("meter", "meter_provider", metrics.get_meter_provider),
+        ("logger", "logger_provider", _logs.get_logger_provider),
     ):
         provider = given.get(name)
         source = "argument" if provider is not None else "global"
@@ -365,11 +477,13 @@ def render(found: Dict[str, Any]) -> str:
     for name, version in found["versions"].items():
         lines.append(f"  {name:<20} {version or 'not installed'}")
     check = found["instrumentation"]
-    turned_on = f"turned on by {check['turned_on_by']}; version check: {check['version_check']}"
+    version_check = "passed" if check["version_check"] == "passed" else "refused (see problems)"
+    turned_on = f"turned on by {check['turned_on_by']}; version check: {version_check}"
     lines.append(f"  {'instrumentation':<20} {turned_on}")
     lines += ["", f"features (transformers {found['transformers'] or 'not installed'})"]
     for feature in found["features"]:
-        lines.append(f"  {feature['name']:<20} {feature['status']}")
+        status = feature["reason"] if feature["status"] == UNAVAILABLE else feature["status"]
+        lines.append(f"  {feature['name']:<20} {status}")
         if feature["status"] == NOT_TRACED:
             for point, problem in feature["problems"].items():
                 lines.append(f"  {'':<20}   {feature['lost']}: `{point}` {problem}")
@@ -400,7 +514,8 @@ def render(found: Dict[str, Any]) -> str:
         lines.append(f"  {name:<28} {entry['value']!s:<12} {source}")
     if found["hint"]:
         lines += ["", "hint", f"  {found['hint']}"]
-    not_traced = [f["name"] for f in found["features"] if f["status"] == NOT_TRACED]
-    verdict = f"not traced: {', '.join(not_traced)}" if not_traced else "every feature of this transformers is traced"
-    lines += ["", verdict]
+    if found["problems"]:
+        lines += ["", "problems"]
+        lines += [f"  {problem['kind']}: {problem['problem']}" for problem in found["problems"]]
+    lines += ["", found["verdict"]]
     return "\n".join(lines) + "\n"

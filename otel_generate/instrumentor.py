@@ -27,7 +27,7 @@ from typing import Any, Collection, Dict, List, NamedTuple, Optional, Tuple
 from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-from otel_generate import _lifecycle, package
+from otel_generate import _export_loss, _lifecycle, package
 from otel_generate import content as _content
 from otel_generate import options as _options
 from otel_generate._faults import LOGGER_NAME, Fault, log_fault_once
@@ -580,6 +580,7 @@ class GenerateInstrumentor(BaseInstrumentor):
             logs=telemetry.content is not None and telemetry.content.event_logger is not None,
             logger_provider=options.logger_provider,
         )
+        _export_loss.enable()  # a batch of spans the OTLP gRPC exporter gives up on is said on our logger
 
     def _uninstrument(self, **kwargs: Any) -> None:
         telemetry, patches = self._telemetry, self._patches
@@ -598,6 +599,7 @@ class GenerateInstrumentor(BaseInstrumentor):
             patches.restore_all()  # exactly what the hooks of PATCHES installed
         self._telemetry = self._patches = self._given = None
         _lifecycle.disable()  # the fork hook stays registered but does nothing
+        _export_loss.disable()
 
 
 # --- profilers ----------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, TypeVar, Union
+from typing import Any, Callable, Dict, Optional, Tuple, TypeVar, Union
 
 from otel_generate import content as _content
 from otel_generate._faults import LOGGER_NAME
@@ -71,7 +71,10 @@ NAMES = (
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
-_warned_env: set = set()  # (variable, value) pairs already reported: one warning per process
+#: What a boolean environment variable accepts, as a warning about another value says it.
+BOOLEAN_TEXT = "a boolean (true/false, 1/0, yes/no, on/off)"
+#: (variable, value) pairs already reported, each with its warning: one warning per process
+_warned_env: Dict[Tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)
@@ -100,8 +103,8 @@ class Options:
 
 def _warn_env(name: str, raw: str, expected: str, default: Any) -> None:
     if (name, raw) not in _warned_env:
-        _warned_env.add((name, raw))
-        _LOG.warning("otel_generate: %s=%r is not %s; using the default %s", name, raw, expected, default)
+        _warned_env[(name, raw)] = f"{name}={raw!r} is not {expected}; using the default {default}"
+        _LOG.warning("otel_generate: %s", _warned_env[(name, raw)])
 
 
 def _from_env(name: str, default: T, parse: Callable[[str], T], expected: str) -> T:
@@ -194,7 +197,7 @@ def _parse_tensor_parallel_spans(text: str) -> str:
 
 
 def env_bool(name: str, default: bool) -> bool:
-    return _from_env(name, default, _parse_bool, "a boolean (true/false)")
+    return _from_env(name, default, _parse_bool, BOOLEAN_TEXT)
 
 
 def env_int(name: str, default: int) -> int:
@@ -261,7 +264,7 @@ def resolve(kwargs: Dict[str, Any]) -> Options:
         parse: Callable[[str], Any],
     ) -> Any:
         value = _keyword(kwargs, name, kind, kind_text, check, range_text)
-        expected = f"{kind_text} {range_text}".strip()
+        expected = BOOLEAN_TEXT if parse is _parse_bool else f"{kind_text} {range_text}".strip()
         return _from_env(env, default, parse, expected) if value is None else value
 
     mode = kwargs.get("capture_message_content")
@@ -382,6 +385,7 @@ ENVIRONMENT: Dict[str, str] = {
     "outlier_factor": ENV_OUTLIER_FACTOR,
     "background_emission": ENV_BACKGROUND_EMISSION,
     "measure_memory": ENV_MEASURE_MEMORY,
+    "measure_energy": ENV_MEASURE_ENERGY,
     "capture_message_content": _content.ENV_CAPTURE_MESSAGE_CONTENT,
     "capture_step_token_ids": _content.ENV_CAPTURE_STEP_TOKEN_IDS,
     "capture_step_logprobs": _content.ENV_CAPTURE_STEP_LOGPROBS,
@@ -394,7 +398,8 @@ def explain(kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Dict[str, Any]
     """Each option with an environment variable, as ``resolve(kwargs)`` gives it, and where its
     value came from: ``{"value", "source", "variable"}``, the source one of ``"argument"`` (an
     ``instrument()`` keyword), ``"environment"`` (the variable, read) or ``"default"`` (nothing
-    set, or a value that could not be parsed: ``"ignored"`` then holds it).
+    set, or a value that could not be parsed: ``"ignored"`` then holds it, and ``"problem"`` says
+    what was expected, as the warning did). The options without a variable are the three providers.
 
     Raises what :func:`resolve` raises for bad keywords.
     """
@@ -410,7 +415,7 @@ def explain(kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Dict[str, Any]
         elif raw is None or not raw.strip():
             entry["source"] = SOURCE_DEFAULT
         elif (variable, raw) in _warned_env:  # resolve() reported it and used the default
-            entry.update(source=SOURCE_DEFAULT, ignored=raw)
+            entry.update(source=SOURCE_DEFAULT, ignored=raw, problem=_warned_env[(variable, raw)])
         else:
             entry["source"] = SOURCE_ENVIRONMENT
         explained[name] = entry

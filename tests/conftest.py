@@ -100,7 +100,7 @@ def count_recorders(monkeypatch):
 
 @pytest.fixture
 def no_package_env(monkeypatch):
-    monkeypatch.setattr(otel_generate.options, "_warned_env", set())  # each test sees its own first warning
+    monkeypatch.setattr(otel_generate.options, "_warned_env", {})  # each test sees its own first warning
     for name in (
         "OTEL_GENERATE_SYNCHRONIZE",
         "OTEL_GENERATE_MAX_STEP_SPANS",

@@ -13,12 +13,15 @@
   the flush at shutdown.
 * Collector unreachable: the process prints its results, warns about the failed export, has no
   traceback and exits (bounded by ``OTEL_EXPORTER_OTLP_TIMEOUT``, seconds in the Python SDK).
+  With the exporter's default timeout, the line docs/production.md shows for spans given up is on
+  stderr once, read from that page.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -646,3 +649,46 @@ def test_unreachable_collector_warns_and_exits_without_traceback():
     last_result = output.index("time per output token:")
     first_export = min(output.index(marker) for marker in ("Transient error", "Failed to export") if marker in output)
     assert last_result < first_export
+
+
+#: The line docs/production.md promises for spans the OTLP gRPC exporter gives up on, as it shows it.
+PRODUCTION = REPO / "docs" / "production.md"
+LOST_SPANS = "otel_generate: spans lost:"
+DOCUMENTED_ENDPOINT = "127.0.0.1:4317"
+
+
+def _documented_lost_spans_line() -> str:
+    (line,) = [line.strip() for line in PRODUCTION.read_text().splitlines() if line.strip().startswith(LOST_SPANS)]
+    assert DOCUMENTED_ENDPOINT in line, line
+    return line
+
+
+def test_unreachable_collector_says_spans_are_lost_with_the_line_the_production_page_shows():
+    """The Collector down (its endpoint a closed local port) and the exporter's default timeout, as a
+    user runs it: the app's one batch of spans, exported at exit, is given up, and stderr holds the
+    line docs/production.md shows, once, with this endpoint, whether or not the exporter's own
+    ``Failed to export traces`` line survived its logger's duplicate filter (printed, not asserted:
+    it varies from run to run)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again when the block ends: nothing listens there
+    proc = run_app(
+        {
+            "OTEL_SERVICE_NAME": SERVICE_NAME,
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_METRICS_EXPORTER": "otlp",
+            "OTEL_LOGS_EXPORTER": "none",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": GRPC,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+            "OTEL_BSP_SCHEDULE_DELAY": NEVER_BEFORE_EXIT_MS,
+            "OTEL_METRIC_EXPORT_INTERVAL": NEVER_BEFORE_EXIT_MS,
+        }
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert len(printed(proc.stdout)["continuation"]) == NEW_TOKENS
+    promised = _documented_lost_spans_line().replace(DOCUMENTED_ENDPOINT, f"127.0.0.1:{port}")
+    lines = proc.stderr.splitlines()
+    assert lines.count(promised) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    exporter_says = [line for line in lines if line.startswith("Failed to export traces")]
+    print(f"the exporter's own 'Failed to export traces' lines: {len(exporter_says)}")

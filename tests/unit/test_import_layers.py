@@ -49,6 +49,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
             "_patch",
             "background",
             "_lifecycle",
+            "_export_loss",
         ),
     ),
     ("request", ("request",)),

@@ -38,3 +38,26 @@ def test_parsable_environment_values_give_no_warning(
         pass
     assert warnings_from_package(caplog) == []
     assert getattr(captured_telemetry[0], option) == parsed
+
+
+def test_explain_lists_every_option_but_the_providers_and_names_an_invalid_value(no_package_env, monkeypatch):
+    from otel_generate import options
+
+    monkeypatch.setenv("OTEL_GENERATE_MEASURE_ENERGY", "maybe")
+    monkeypatch.setenv("OTEL_GENERATE_SLOW_FRACTION", "2")
+    monkeypatch.setenv("OTEL_GENERATE_STEP_SPANS", "slow")
+    explained = options.explain()
+    assert set(explained) == set(options.NAMES) - {"tracer_provider", "meter_provider", "logger_provider"}
+    assert explained["measure_energy"] == {
+        "value": True,
+        "variable": "OTEL_GENERATE_MEASURE_ENERGY",
+        "source": "default",
+        "ignored": "maybe",
+        "problem": "OTEL_GENERATE_MEASURE_ENERGY='maybe' is not a boolean (true/false, 1/0, yes/no, on/off); "
+        "using the default True",
+    }
+    assert explained["slow_fraction"]["problem"] == (
+        "OTEL_GENERATE_SLOW_FRACTION='2' is not a number between 0 and 1; using the default 0.05"
+    )
+    assert explained["step_spans"] == {"value": "slow", "variable": "OTEL_GENERATE_STEP_SPANS", "source": "environment"}
+    assert [name for name, entry in explained.items() if "problem" in entry] == ["slow_fraction", "measure_energy"]

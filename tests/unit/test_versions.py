@@ -95,3 +95,55 @@ def test_doctor_names_a_hiding_folder_only_where_no_regular_package_is_found(tmp
     assert package.hidden_by(str(tmp_path / "clone")) == [str(tmp_path / "clone" / "otel_generate")]
     monkeypatch.setattr(sys, "path", [str(tmp_path / "site")])  # a regular install on the path wins
     assert package.hidden_by(str(tmp_path / "clone")) is None
+
+
+def test_doctor_names_each_requirement_not_met_and_passes_those_met():
+    from importlib import metadata
+
+    from otel_generate import doctor
+
+    installed = metadata.version("packaging")
+    assert doctor.requirement_problems(
+        ["no-such-distribution-of-otel-generate >= 1.0", f"packaging > {installed}", f"packaging >= {installed}"]
+    ) == [
+        "no-such-distribution-of-otel-generate is not installed: this instrumentation needs "
+        "no-such-distribution-of-otel-generate >= 1.0",
+        f"packaging {installed} is outside the supported range (packaging > {installed}): instrument() refuses "
+        "to run and traces nothing (opentelemetry-instrument skips this instrumentation)",
+    ]
+    assert doctor.requirement_problems(_instruments) == []  # this venv is a supported one
+
+
+def test_doctor_tells_a_module_absent_from_one_missing_a_library_and_from_a_broken_one(monkeypatch):
+    """How the doctor reads an import failure of a transformers module (the imports are faked: no
+    transformers here): absent from this release, needing an optional library that is not installed
+    (no problem), or failing otherwise (a problem)."""
+    import types
+
+    from otel_generate import doctor
+
+    failures = {
+        "transformers.cli.serving.server": ModuleNotFoundError(
+            "No module named 'transformers.cli'", name="transformers.cli"
+        ),
+        "transformers.pipelines.base": ModuleNotFoundError("No module named 'fastapi'", name="fastapi.responses"),
+        "transformers.generation.utils": ImportError("tokenizers>=0.20,<0.21 is required\nTry: pip install"),
+        "transformers.models.whisper.generation_whisper": ModuleNotFoundError(
+            "No module named 'transformers.utils.gone'", name="transformers.utils.gone"
+        ),
+    }
+
+    def import_module(name):
+        raise failures[name]
+
+    monkeypatch.setattr(doctor.importlib, "import_module", import_module)
+    ins = types.SimpleNamespace(PATCHES=[types.SimpleNamespace(module=name) for name in failures])
+    assert doctor._import_modules(ins) == {
+        "transformers.cli.serving.server": "not in this transformers (ModuleNotFoundError: No module named "
+        "'transformers.cli')",
+        "transformers.pipelines.base": "not available here (needs fastapi, which is not installed)",
+        "transformers.generation.utils": "failed to import (ImportError: tokenizers>=0.20,<0.21 is required Try: "
+        "pip install)",
+        "transformers.models.whisper.generation_whisper": "failed to import (ModuleNotFoundError: No module named "
+        "'transformers.utils.gone')",
+    }
