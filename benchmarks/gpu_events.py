@@ -25,12 +25,20 @@ IQR (milliseconds), each instrumented arm against ``plain`` as a median paired r
 today's (it says so once): the script then only checks itself. Results: BENCHMARKS.md.
 """
 
+# ruff: noqa: E402  (the imports after the --help check: torch's takes seconds, the help none)
 from __future__ import annotations
+
+import sys
+
+USAGE = "usage: gpu_events.py [DEVICE] [ROUNDS >= 4] [MODEL_CONFIG.json DTYPE NEW_TOKENS]"
+
+if __name__ == "__main__" and sys.argv[1:] in (["-h"], ["--help"]):
+    print(USAGE + "\n\n" + __doc__)
+    sys.exit(0)
 
 import gc
 import json
 import statistics
-import sys
 
 import torch
 from opentelemetry.sdk.metrics import MeterProvider
@@ -47,7 +55,6 @@ OPTIONS = {
     "events": dict(synchronize="events", measure_energy=False),
     "events+energy": dict(synchronize="events", measure_energy=True),
 }
-USAGE = "usage: gpu_events.py [DEVICE] [ROUNDS >= 4] [MODEL_CONFIG.json DTYPE NEW_TOKENS]"
 
 
 def load(device: str, config_path: str, dtype: str):
@@ -65,9 +72,6 @@ def load(device: str, config_path: str, dtype: str):
 
 def main() -> int:
     args = sys.argv[1:]
-    if args in (["-h"], ["--help"]):
-        print(USAGE + "\n\n" + __doc__)
-        return 0
     if len(args) not in (0, 1, 2, 5):
         raise SystemExit(USAGE)
     device = args[0] if args else "cuda"

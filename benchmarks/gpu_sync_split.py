@@ -18,11 +18,19 @@ IQR (milliseconds), each instrumented arm minus ``plain`` per step, paired withi
 alone on an idle device (20 x 1,000 calls). Results: BENCHMARKS.md, "GPU check".
 """
 
+# ruff: noqa: E402  (the imports after the --help check: torch's takes seconds, the help none)
 from __future__ import annotations
+
+import sys
+
+USAGE = "usage: gpu_sync_split.py [DEVICE] [ROUNDS >= 4]"
+
+if __name__ == "__main__" and sys.argv[1:2] in (["-h"], ["--help"]):
+    print(f"{USAGE}\n\n{__doc__}")
+    sys.exit(0)
 
 import gc
 import statistics
-import sys
 import time
 
 import torch
@@ -39,19 +47,15 @@ ARMS = ("plain", "sync on", "sync off")
 
 
 def main() -> int:
-    usage = "usage: gpu_sync_split.py [DEVICE] [ROUNDS >= 4]"
-    if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):
-        print(f"{usage}\n\n{__doc__}")
-        return 0
     if len(sys.argv) > 3:
-        raise SystemExit(usage)
+        raise SystemExit(USAGE)
     device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
     try:
         rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 40
     except ValueError:
-        raise SystemExit(f"{usage}: ROUNDS {sys.argv[2]!r} is not an integer") from None
+        raise SystemExit(f"{USAGE}: ROUNDS {sys.argv[2]!r} is not an integer") from None
     if rounds < 4:
-        raise SystemExit(usage)
+        raise SystemExit(USAGE)
     cuda = device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise SystemExit("CUDA is not available; pass cpu to check the script")

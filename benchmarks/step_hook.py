@@ -23,13 +23,32 @@ Variants: ``eos_off`` (``[MaxLengthCriteria]``, what ``otel-generate bench`` run
 and ``eos_on`` (``[MaxLengthCriteria, EosTokenCriteria]``, transformers' default with an EOS id).
 """
 
+# ruff: noqa: E402  (the imports after the --help check: torch's takes seconds, the help none)
 from __future__ import annotations
 
 import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Microbenchmark of the instrumentation's per-step hook.")
+    parser.add_argument("--repeats", type=int, default=200, help="timed repeats per variant (default 200)")
+    parser.add_argument("--calls", type=int, default=1000, help="calls (decode steps) per repeat (default 1000)")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--prompt-tokens", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=128, help="sets the input_ids width with --prompt-tokens")
+    parser.add_argument("--vocab", type=int, default=128, help="width of scores (default 128, the tiny models')")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    parser.add_argument("--output", default="-", help="JSON destination ('-' = stdout, the default)")
+    return parser
+
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
+    _parser().parse_args()  # prints the help and exits
+
 import gc
 import json
 import statistics
-import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -186,15 +205,7 @@ def summary(result: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description="Microbenchmark of the instrumentation's per-step hook.")
-    parser.add_argument("--repeats", type=int, default=200, help="timed repeats per variant (default 200)")
-    parser.add_argument("--calls", type=int, default=1000, help="calls (decode steps) per repeat (default 1000)")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--prompt-tokens", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=128, help="sets the input_ids width with --prompt-tokens")
-    parser.add_argument("--vocab", type=int, default=128, help="width of scores (default 128, the tiny models')")
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
-    parser.add_argument("--output", default="-", help="JSON destination ('-' = stdout, the default)")
+    parser = _parser()
     args = parser.parse_args(argv)
     try:
         result = run(

@@ -23,20 +23,44 @@
 #
 # The generator is Python: run it where this package and its test extra are installed (the
 # repository's virtual environment), or name that interpreter in $PYTHON.
+#
+# It finds the scale tier that this clone's `collector/local.sh up --scale` started, by its pid
+# files in the clone's state folder, and its ports by the variables local.sh used.
+#
+# Environment:
+#   PYTHON                     the interpreter that runs collector/loadtest.py (default python3)
+#   OTEL_GENERATE_LOCAL_STATE  local.sh's state folder, when local.sh was given one
+#   OTEL_GENERATE_CACHE        the build cache, under which that folder is by default
+#                              (default ${XDG_CACHE_HOME:-$HOME/.cache}/otel-generate)
+#   XDG_CACHE_HOME             see OTEL_GENERATE_CACHE
+#   the port variables below (collector/ports.sh), as local.sh was given them; the scale tier's
+#   are the ones it uses
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-CACHE=${OTEL_GENERATE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/otel-generate}
-STATE=${OTEL_GENERATE_LOCAL_STATE:-$CACHE/local}
+# shellcheck source=collector/state.sh
+. "$HERE/state.sh"
 HOST=127.0.0.1
 PYTHON=${PYTHON:-python3}
 # shellcheck source=collector/ports.sh
 . "$HERE/ports.sh"
 
+USAGE="usage: $0 [--scale] --rate SPANS_PER_S --seconds S [--steps N] [--error-share F] [--slow-share F] [--service NAME] [--json FILE] [--seed N] [--batch-spans N] [--in-flight N] [--channels N] [--compression gzip|none] | --help"
 usage() {
-    echo "usage: $0 [--scale] --rate SPANS_PER_S --seconds S [--steps N] [--error-share F] [--slow-share F] [--service NAME] [--json FILE]" >&2
+    echo "$USAGE" >&2
     exit 2
 }
+
+show_help() { # the header above, then the port variables
+    sed -n '2,/^set -euo pipefail/{/^#/{s/^# \{0,1\}//;p}}' "${BASH_SOURCE[0]}"
+    echo
+    echo "Ports (on 127.0.0.1):"
+    print_ports
+    exit 0
+}
+for arg in "$@"; do
+    if [[ $arg == -h || $arg == --help ]]; then show_help; fi
+done
 
 scale=false
 rate=
@@ -51,7 +75,6 @@ while (($#)); do
         [[ $# -ge 2 ]] || usage
         passed+=("$1" "$2") && shift
         ;;
-    -h | --help) usage ;;
     *) echo "loadtest.sh: unknown argument $1" >&2 && usage ;;
     esac
     shift

@@ -15,6 +15,11 @@ screenshot of that page is kept as a test artifact, ``phoenix-trace.png`` in
 ``$OTEL_GENERATE_ARTIFACTS`` (default ``test-artifacts/`` at the repository root; that is how
 ``docs/images/phoenix-trace.png`` was made).
 
+Through the local stack: ``collector/local.sh up --ui phoenix`` starts Phoenix next to the Collector,
+which exports the traces it receives to Phoenix as well as to Jaeger; the example sends to the
+Collector, and its trace is read back from Phoenix (the same tree) and from Jaeger; ``down`` stops
+Phoenix and names it.
+
 Where to find Phoenix: ``OTEL_GENERATE_PHOENIX_BIN`` (the ``phoenix`` executable; ``.ci/run``
 sets it), else ``phoenix`` on ``PATH``; Chromium: ``OTEL_GENERATE_CHROMIUM``, else ``chromium``
 on ``PATH``. Without one of them the tests skip and say why, except where backends are required
@@ -50,7 +55,18 @@ from tests.e2e.test_otlp_export import (
     printed,
     run_app,
 )
-from tests.helpers.local_stack import missing, require_executable
+from tests.helpers.local_stack import (
+    LOCAL_SH,
+    SINGLE_PORT_VARS,
+    UP_TIMEOUT_S,
+    build,
+    free_ports,
+    jaeger_traces,
+    missing,
+    parse_lines,
+    require_executable,
+    wait_for,
+)
 from tests.helpers.otlp_receiver import GRPC, HTTP
 
 pytestmark = pytest.mark.slow
@@ -81,6 +97,21 @@ def _free_port() -> int:
 def _get_json(url: str):
     with urllib.request.urlopen(url, timeout=30) as response:
         return json.load(response)
+
+
+def _spans(base_url: str) -> list:
+    """Every span of Phoenix's project ``default``, through its REST API."""
+    spans, cursor = [], None
+    for _ in range(100):  # pages of 1000: far more than any test writes
+        url = f"{base_url}/v1/projects/default/spans?limit=1000"
+        if cursor:
+            url += f"&cursor={cursor}"
+        page = _get_json(url)
+        spans.extend(page["data"])
+        cursor = page.get("next_cursor")
+        if not cursor:
+            break
+    return spans
 
 
 class Phoenix:
@@ -129,17 +160,7 @@ class Phoenix:
         pytest.fail(f"phoenix serve not ready after {STARTUP_TIMEOUT_S} s:\n{self.log_tail()}")
 
     def spans(self) -> list:
-        spans, cursor = [], None
-        for _ in range(100):  # pages of 1000: far more than any test writes
-            url = f"{self.base_url}/v1/projects/default/spans?limit=1000"
-            if cursor:
-                url += f"&cursor={cursor}"
-            page = _get_json(url)
-            spans.extend(page["data"])
-            cursor = page.get("next_cursor")
-            if not cursor:
-                break
-        return spans
+        return _spans(self.base_url)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -168,11 +189,13 @@ def phoenix(tmp_path_factory):
         server.stop()
 
 
-def _new_trace(phoenix: Phoenix, before: set, expected_spans: int) -> list:
-    """Spans of the one trace that appeared since ``before``, once all ``expected_spans`` are stored."""
+def _new_trace(phoenix, before: set, expected_spans: int) -> list:
+    """Spans of the one trace that appeared since ``before``, once all ``expected_spans`` are stored
+    (``phoenix``: a :class:`Phoenix`, or the base URL of one)."""
     deadline = time.monotonic() + INGEST_TIMEOUT_S
     while True:
-        spans = [s for s in phoenix.spans() if s["context"]["trace_id"] not in before]
+        found = _spans(phoenix) if isinstance(phoenix, str) else phoenix.spans()
+        spans = [s for s in found if s["context"]["trace_id"] not in before]
         if len(spans) >= expected_spans or time.monotonic() > deadline:
             return spans
         time.sleep(0.5)
@@ -354,3 +377,81 @@ def test_phoenix_shows_the_example_trace_in_a_real_browser(phoenix, tmp_path):
 
     target = _artifacts() / "phoenix-trace.png"
     _screenshot(phoenix, trace_id, request["id"], target, profile=tmp_path / "profile-shot")
+
+
+# =============================================================================================
+# collector/local.sh up --ui phoenix: Phoenix next to the Collector, which sends it the traces
+# =============================================================================================
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def test_local_sh_up_ui_phoenix_shows_what_the_collector_receives_and_down_stops_it(tmp_path):
+    """``collector/local.sh up --ui phoenix``: the application sends to the Collector as always; the
+    trace is in Phoenix (read back through its REST API, the same tree) and in Jaeger; ``down`` stops
+    Phoenix with the rest and names it."""
+    executable = _phoenix_executable()
+    if executable is None:
+        missing(
+            "Arize Phoenix not found: set OTEL_GENERATE_PHOENIX_BIN to the `phoenix` executable of a "
+            "separate environment with `pip install arize-phoenix` (.ci/run does), or put `phoenix` on PATH"
+        )
+    build()
+    require_executable("prometheus", "apt-get install prometheus (Debian's package, 2.42)")
+    variables = (*SINGLE_PORT_VARS, "PHOENIX_UI_PORT", "PHOENIX_OTLP_GRPC_PORT")
+    ports = dict(zip(variables, free_ports(len(variables))))
+    env = dict(os.environ, OTEL_GENERATE_PHOENIX_BIN=executable, OTEL_GENERATE_LOCAL_STATE=str(tmp_path / "state"))
+    env.update({name: str(port) for name, port in ports.items()})
+    service = "otel-generate-phoenix-via-collector"
+    up = subprocess.run(
+        [str(LOCAL_SH), "up", "--ui", "phoenix"], capture_output=True, text=True, env=env, timeout=UP_TIMEOUT_S
+    )
+    try:
+        assert up.returncode == 0, up.stderr[-5000:]
+        stack = parse_lines(up.stdout)
+        assert stack["PHOENIX_UI"] == f"http://127.0.0.1:{ports['PHOENIX_UI_PORT']}"
+        assert _answers(stack["PHOENIX_UI"] + "/healthz")
+        before = {s["context"]["trace_id"] for s in _spans(stack["PHOENIX_UI"])}
+        proc = run_app(
+            {
+                "OTEL_SERVICE_NAME": service,
+                "OTEL_TRACES_EXPORTER": "otlp",
+                "OTEL_METRICS_EXPORTER": "none",
+                "OTEL_LOGS_EXPORTER": "none",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": stack["OTLP_GRPC_ENDPOINT"],  # the Collector
+            }
+        )
+        assert proc.returncode == 0, proc.stderr
+        spans = _new_trace(stack["PHOENIX_UI"], before, 2 + NEW_TOKENS)
+        assert len(spans) == 2 + NEW_TOKENS, [s["name"] for s in spans]
+        (app_span,) = [s for s in spans if s["name"] == "handle_request"]
+        (request,) = [s for s in spans if s["name"].startswith(A.OPERATION_TEXT_COMPLETION + " ")]
+        steps = sorted(
+            (s for s in spans if s["name"] in (A.STEP_SPAN_PREFILL, A.STEP_SPAN_DECODE)),
+            key=lambda s: s["attributes"][A.GENERATE_STEP_INDEX],
+        )
+        assert request["parent_id"] == app_span["context"]["span_id"]
+        assert [s["name"] for s in steps] == [A.STEP_SPAN_PREFILL] + [A.STEP_SPAN_DECODE] * (NEW_TOKENS - 1)
+        assert all(s["parent_id"] == request["context"]["span_id"] for s in steps)
+        assert request["span_kind"] == "LLM"
+        assert request["attributes"][A.GEN_AI_USAGE_OUTPUT_TOKENS] == NEW_TOKENS
+        # the same trace in Jaeger: the Collector sends to both
+        trace_id = request["context"]["trace_id"]
+        in_jaeger = wait_for(
+            lambda: [t for t in jaeger_traces(stack["JAEGER_UI"], service) if t["traceID"] == trace_id], 60
+        )
+        assert len(in_jaeger) == 1 and len(in_jaeger[0]["spans"]) == 2 + NEW_TOKENS
+    finally:
+        down = subprocess.run([str(LOCAL_SH), "down"], capture_output=True, text=True, env=env, timeout=120)
+    assert down.returncode == 0, down.stderr
+    phoenix_ports = f"{ports['PHOENIX_UI_PORT']} {ports['PHOENIX_OTLP_GRPC_PORT']}"
+    assert re.search(rf"^stopped phoenix \(pid \d+, ports {phoenix_ports}\) of the single tier", down.stdout, re.M), (
+        down.stdout
+    )
+    assert not _answers(f"http://127.0.0.1:{ports['PHOENIX_UI_PORT']}/healthz"), "Phoenix still answers after down"

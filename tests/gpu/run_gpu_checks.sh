@@ -4,6 +4,7 @@
 #
 #   tests/gpu/run_gpu_checks.sh            # needs CUDA; fails if torch cannot see a GPU
 #   tests/gpu/run_gpu_checks.sh --dry-run  # no GPU: the same steps on CPU with a tiny config
+#   tests/gpu/run_gpu_checks.sh --help     # this text
 #
 # 1. the tests marked `gpu` (tests/gpu/test_gpu.py): per-step CUDA synchronization, step latencies
 #    vs CUDA events of the same steps (5 %), sum of step latencies vs the request span (2 %);
@@ -22,13 +23,17 @@
 # Environment: PYTHON (default: python), OUT (where results go; default: a new temporary folder).
 # Prints the date, the device, the versions and every result; the JSON and PNG files stay in $OUT.
 set -euo pipefail
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+    sed -n '2,/^set -euo pipefail/{/^#/{s/^# \{0,1\}//;p}}' "$0"
+    exit 0
+fi
 cd "$(dirname "$0")/../.."
 
 DRY_RUN=0
 case "${1:-}" in
     --dry-run) DRY_RUN=1 ;;
     "") ;;
-    *) echo "usage: $0 [--dry-run]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--dry-run | --help]" >&2; exit 2 ;;
 esac
 
 PYTHON=${PYTHON:-python}

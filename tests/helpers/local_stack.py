@@ -3,7 +3,8 @@
 ``collector/local.sh up`` (Jaeger, the Collector with ``collector/otel-collector.yaml``,
 Prometheus) or ``up --scale`` (Jaeger, the agent and two gateways) builds the binaries once
 (``collector/build.sh``: Go and the Go module proxy), starts the processes on loopback and prints
-``NAME=value`` lines; ``down`` stops them. :func:`local_stack` wraps that for a fixture.
+``NAME=value`` lines; ``down`` stops what this clone's ``up`` started. :func:`local_stack` wraps
+that for a fixture.
 
 A missing prerequisite (Go to build the binaries, Debian's ``prometheus``, ``chromium``) skips
 the test and says how to get it, except where backends are required: with
@@ -13,9 +14,11 @@ the test and says how to get it, except where backends are required: with
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import time
 import urllib.parse
@@ -106,12 +109,41 @@ def local_stack(*args: str, state: Path | None = None, fresh: bool = True):
         assert stopped.returncode == 0, stopped.stderr
 
 
-def state_dir() -> Path:
-    """Where ``collector/local.sh`` keeps its pid files, logs and Jaeger's storage (one folder per tier)."""
+#: the variables of collector/ports.sh that move the single tier's ports (`local.sh up`)
+SINGLE_PORT_VARS = (
+    "COLLECTOR_GRPC_PORT",
+    "COLLECTOR_HTTP_PORT",
+    "COLLECTOR_PROMETHEUS_PORT",
+    "JAEGER_OTLP_PORT",
+    "JAEGER_UI_PORT",
+    "JAEGER_QUERY_GRPC_PORT",
+    "PROMETHEUS_PORT",
+)
+
+
+def free_ports(count: int) -> list:
+    """``count`` loopback ports free now (each bound once by the system's choice, then released)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def state_dir(clone: Path = REPO) -> Path:
+    """Where ``collector/local.sh`` of ``clone`` keeps its pid files, logs and Jaeger's storage (one
+    folder per tier): ``$OTEL_GENERATE_LOCAL_STATE``, else the clone's own folder under the build
+    cache (``collector/state.sh``)."""
+    if os.environ.get("OTEL_GENERATE_LOCAL_STATE"):
+        return Path(os.environ["OTEL_GENERATE_LOCAL_STATE"])
     cache = os.environ.get("OTEL_GENERATE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "otel-generate"
     )
-    return Path(os.environ.get("OTEL_GENERATE_LOCAL_STATE") or os.path.join(cache, "local"))
+    real = os.path.realpath(clone)
+    return Path(cache) / "local" / f"{os.path.basename(real)}-{hashlib.sha256(real.encode()).hexdigest()[:12]}"
 
 
 def deprecation_warnings(tier: str) -> list:
