@@ -98,10 +98,20 @@ class Options:
     tensor_parallel_spans: str = TENSOR_PARALLEL_SPANS_RANK0
 
 
+def spell(value: Any) -> str:
+    """``value`` as the README and an environment variable write it: ``true``/``false`` for a bool,
+    a number without a trailing ``.0`` (``3``, ``0.05``), anything else as it is."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return format(value, "g")
+    return str(value)
+
+
 def _warn_env(name: str, raw: str, expected: str, default: Any) -> None:
     if (name, raw) not in _warned_env:
         _warned_env.add((name, raw))
-        _LOG.warning("otel_generate: %s=%r is not %s; using the default %s", name, raw, expected, default)
+        _LOG.warning("otel_generate: %s=%r is not %s; using the default %s", name, raw, expected, spell(default))
 
 
 def _from_env(name: str, default: T, parse: Callable[[str], T], expected: str) -> T:
@@ -194,7 +204,7 @@ def _parse_tensor_parallel_spans(text: str) -> str:
 
 
 def env_bool(name: str, default: bool) -> bool:
-    return _from_env(name, default, _parse_bool, "a boolean (true/false)")
+    return _from_env(name, default, _parse_bool, "true or false")
 
 
 def env_int(name: str, default: int) -> int:
@@ -261,7 +271,7 @@ def resolve(kwargs: Dict[str, Any]) -> Options:
         parse: Callable[[str], Any],
     ) -> Any:
         value = _keyword(kwargs, name, kind, kind_text, check, range_text)
-        expected = f"{kind_text} {range_text}".strip()
+        expected = "true or false" if kind is bool else f"{kind_text} {range_text}".strip()
         return _from_env(env, default, parse, expected) if value is None else value
 
     mode = kwargs.get("capture_message_content")

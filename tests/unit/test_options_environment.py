@@ -38,3 +38,43 @@ def test_parsable_environment_values_give_no_warning(
         pass
     assert warnings_from_package(caplog) == []
     assert getattr(captured_telemetry[0], option) == parsed
+
+
+@pytest.mark.parametrize(
+    "variable, value, message",
+    [
+        (
+            "OTEL_GENERATE_SYNCHRONIZE",
+            "maybe",
+            "OTEL_GENERATE_SYNCHRONIZE='maybe' is not true, false, wait or events; using the default true",
+        ),
+        (
+            "OTEL_GENERATE_BACKGROUND_EMISSION",
+            "sometimes",
+            "OTEL_GENERATE_BACKGROUND_EMISSION='sometimes' is not true or false; using the default true",
+        ),
+        (
+            "OTEL_GENERATE_CAPTURE_STEP_LOGPROBS",
+            "2",
+            "OTEL_GENERATE_CAPTURE_STEP_LOGPROBS='2' is not true or false; using the default false",
+        ),
+        (
+            "OTEL_GENERATE_STEP_OUTLIER_FACTOR",
+            "0.5",
+            "OTEL_GENERATE_STEP_OUTLIER_FACTOR='0.5' is not a number >= 1; using the default 3",
+        ),
+        (
+            "OTEL_GENERATE_MAX_STEP_SPANS",
+            "lots",
+            "OTEL_GENERATE_MAX_STEP_SPANS='lots' is not an int >= 0; using the default 1024",
+        ),
+    ],
+)
+def test_the_warning_spells_the_default_as_the_readme_does(
+    variable, value, message, no_package_env, monkeypatch, caplog, tracer_provider
+):
+    monkeypatch.setenv(variable, value)
+    with caplog.at_level(logging.WARNING, logger=LOGGER), instrumentation(tracer_provider=tracer_provider):
+        pass
+    (warning,) = warnings_from_package(caplog)
+    assert warning.getMessage() == f"otel_generate: {message}"
