@@ -4,7 +4,10 @@ a message) of the plain, --compare and --continuous-batching modes."""
 
 from __future__ import annotations
 
+import math
+import random
 import sys
+from fractions import Fraction
 
 import numpy
 import pytest
@@ -23,6 +26,37 @@ def test_interquartile_range_of_known_values():
     assert stats.iqr_of([7.0]) == [7.0, 7.0]
     assert stats.iqr_of([None, 2.0, None, 4.0]) == [2.5, 3.5]  # missing values are skipped, as for the median
     assert stats.iqr_of([None]) is None and stats.median_of([None]) is None
+
+
+def _coverage(count, k):
+    """P(the k-th smallest to the k-th largest of ``count`` values holds the median), in exact fractions."""
+    return 1 - 2 * Fraction(sum(math.comb(count, i) for i in range(k)), 2**count)
+
+
+def test_the_median_interval_is_the_sign_tests_with_the_largest_rank_that_reaches_95_percent():
+    for count in range(1, 61):
+        reaching = [k for k in range(1, (count + 1) // 2 + 1) if _coverage(count, k) >= Fraction(95, 100)]
+        k = max(reaching) if reaching else 1
+        assert stats.median_rank(count) == (k, pytest.approx(float(max(_coverage(count, k), 0)), abs=1e-15)), count
+    # fewer than 6 values cannot reach 95 %: the whole range, with the confidence it has
+    assert [stats.median_rank(n) for n in (1, 2, 3, 5, 6)] == [(1, 0.0), (1, 0.5), (1, 0.75), (1, 0.9375), (1, 0.96875)]
+    # the ranks of the published tables of the sign test's 95 % interval
+    assert [stats.median_rank(n)[0] for n in (9, 20, 30, 100)] == [2, 6, 10, 40]
+    assert stats.median_interval([5.0, -1.0, 3.0]) == ([-1.0, 5.0], 0.75)
+    assert stats.median_interval([float(v) for v in range(20, 0, -1)])[0] == [6.0, 15.0]
+    with pytest.raises(ValueError, match="at least one value"):
+        stats.median_interval([])
+
+
+@pytest.mark.parametrize("count", [3, 10, 30])
+def test_the_median_interval_holds_the_true_median_as_often_as_it_says(count):
+    draw = random.Random(count)
+    trials = 4000
+    held = 0
+    for _ in range(trials):  # a skewed distribution whose median is known: exponential, median ln 2
+        low, high = stats.median_interval([draw.expovariate(1.0) for _ in range(count)])[0]
+        held += low <= math.log(2) <= high
+    assert held / trials == pytest.approx(stats.median_rank(count)[1], abs=0.02)
 
 
 def test_schema_check_rejects_a_document_missing_a_key():
