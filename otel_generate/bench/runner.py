@@ -233,7 +233,7 @@ def conclusion(block: Dict[str, Any]) -> Dict[str, Any]:
     Both intervals take the same ranks of the same pairs, and a pair's added time is above zero
     exactly when its ratio is above one, so the two agree: ``resolved`` is false when the interval of
     the added time holds zero (the ratio's then holds one), or when there is one pair (no interval).
-    ``text`` is the line the summary ends with.
+    ``text`` is the line the report ends with.
     """
     added, achieved = median_interval(block["added_us_per_step"])
     ratio, _ = median_interval(block["paired_ratios"])
@@ -413,7 +413,7 @@ def run(
 
 
 # --------------------------------------------------------------------------------------------
-# The summary
+# The report
 # --------------------------------------------------------------------------------------------
 
 
