@@ -472,6 +472,8 @@ def namespace_hint(folder: Optional[str] = None) -> Optional[str]:
 
 
 def render(found: Dict[str, Any]) -> str:
+    from otel_generate.options import spell
+
     lines = ["otel-generate doctor", ""]
     lines.append("versions")
     for name, version in found["versions"].items():
@@ -511,7 +513,7 @@ def render(found: Dict[str, Any]) -> str:
             source = f"environment ({entry['variable']})"
         elif "ignored" in entry:
             source = f"default ({entry['variable']}={entry['ignored']!r} ignored)"
-        lines.append(f"  {name:<28} {entry['value']!s:<12} {source}")
+        lines.append(f"  {name:<28} {spell(entry['value']):<12} {source}")
     if found["hint"]:
         lines += ["", "hint", f"  {found['hint']}"]
     if found["problems"]:

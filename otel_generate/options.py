@@ -72,7 +72,7 @@ NAMES = (
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 #: What a boolean environment variable accepts, as a warning about another value says it.
-BOOLEAN_TEXT = "a boolean (true/false, 1/0, yes/no, on/off)"
+BOOLEAN_TEXT = "true or false"
 #: (variable, value) pairs already reported, each with its warning: one warning per process
 _warned_env: Dict[Tuple[str, str], str] = {}
 
@@ -101,9 +101,19 @@ class Options:
     tensor_parallel_spans: str = TENSOR_PARALLEL_SPANS_RANK0
 
 
+def spell(value: Any) -> str:
+    """``value`` as the README and an environment variable write it: ``true``/``false`` for a bool,
+    a number without a trailing ``.0`` (``3``, ``0.05``), anything else as it is."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return format(value, "g")
+    return str(value)
+
+
 def _warn_env(name: str, raw: str, expected: str, default: Any) -> None:
     if (name, raw) not in _warned_env:
-        _warned_env[(name, raw)] = f"{name}={raw!r} is not {expected}; using the default {default}"
+        _warned_env[(name, raw)] = f"{name}={raw!r} is not {expected}; using the default {spell(default)}"
         _LOG.warning("otel_generate: %s", _warned_env[(name, raw)])
 
 

@@ -3,7 +3,7 @@
 * :mod:`otel_generate.bench.cli`: the ``otel-generate`` command line (also ``python -m otel_generate``),
   and :func:`~otel_generate.bench.cli.run`, which picks the mode;
 * :mod:`otel_generate.bench.runner`: the ``generate()`` bench (measured runs, ``--compare``, the result
-  document, its summary);
+  document, its report and the conclusion of ``--compare``);
 * :mod:`otel_generate.bench.continuous`: ``--continuous-batching``;
   :mod:`otel_generate.bench.instructions`: ``--instructions`` (callgrind);
 * :mod:`otel_generate.bench.common`: what the ``generate()`` and continuous-batching benches share (the

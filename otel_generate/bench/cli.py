@@ -33,7 +33,8 @@ PROG = "otel-generate"
 BENCH_DESCRIPTION = (
     "Time complete generate() calls (greedy, cache on, EOS off unless --eos) after warmup, count only real "
     "continuation tokens, keep every sample; every median comes with its interquartile range (IQR, 25th-75th "
-    "percentile). JSON to --output, summary on stderr. The load average is read before, between and after the "
+    "percentile). JSON to --output; the report on stdout (on stderr when --output - puts the JSON there), "
+    "progress and warnings on stderr. The load average is read before, between and after the "
     "runs; the bench warns when the load besides its own (its --threads busy threads, counted in as they enter "
     f"the 1-minute average) was above {LOAD_PER_CORE_LIMIT} per core, and records every reading in the "
     "JSON under 'load'."
@@ -117,7 +118,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also time plain vs instrumented generate(), interleaved A B A B, --runs pairs; "
         "the work each instrumented call defers (span export, metric collection) is "
-        "finished outside the timers and reported both apart and charged to that call",
+        "finished outside the timers and reported both apart and charged to that call; the report ends with "
+        "one conclusion: the added time per decode step and the ratio, each with a confidence interval",
+    )
+    parser.add_argument(
+        "--show-per-run",
+        action="store_true",
+        help="--compare: the report also shows the pairs whose instrumented runs each instrument() before and "
+        "uninstrument() after (every call the first after instrument(); they always run and are in the JSON); "
+        "by default it shows the steady state, the instrumentor set up once and kept",
     )
     parser.add_argument(
         "--exporter",
@@ -205,7 +214,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shown.add_argument(
         "--quiet",
         action="store_true",
-        help="show no progress (warnings, such as a busy machine, and the summary are still printed)",
+        help="show no progress (warnings, such as a busy machine, and the report are still printed)",
     )
     parser.add_argument(
         "--dry-run",
@@ -239,6 +248,7 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> Benc
         step_spans=args.step_spans,
         background_emission=args.background_emission,
         sampler=args.sampler,
+        show_per_run=args.show_per_run,
         continuous_batching=args.continuous_batching,
         requests=args.requests,
         instructions=args.instructions,
@@ -253,8 +263,9 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> Benc
 # --------------------------------------------------------------------------------------------
 
 
-def summary_text(result: Dict[str, Any]) -> str:
-    """The human-readable summary printed on stderr: every median with its interquartile range.
+def summary_text(result: Dict[str, Any], show_per_run: bool = False) -> str:
+    """The report: every median with its interquartile range (with ``--compare``, ending with its
+    conclusion). ``show_per_run``: ``--show-per-run``.
 
     Each mode writes its own: :func:`otel_generate.bench.runner.summary_text` (``generate()``,
     ``--compare``), :func:`otel_generate.bench.continuous.summary_text`,
@@ -264,7 +275,7 @@ def summary_text(result: Dict[str, Any]) -> str:
         return instructions.summary_text(result)
     if result.get("mode") == "continuous_batching":
         return continuous.summary_text(result)
-    return runner.summary_text(result)
+    return runner.summary_text(result, per_run=show_per_run)
 
 
 def run(config: BenchConfig, progress: Optional[Progress] = None) -> Dict[str, Any]:
@@ -340,8 +351,9 @@ def _write_atomically(path: str, write: Callable[[str], None]) -> None:
 
 
 def main_bench(config: BenchConfig, stdout: Any = None, stderr: Any = None, progress: Optional[Progress] = None) -> int:
-    """Run, then write ``--plot`` and ``--output`` (each atomically) and the summary on stderr.
-    ``progress`` (default: none shown) is ended before the summary is printed.
+    """Run, then write ``--plot`` and ``--output`` (each atomically), the warnings on stderr and the
+    report on stdout (on stderr when ``--output -`` writes the JSON to stdout). What was written
+    where is said on stderr. ``progress`` (default: none shown) is ended before the report is printed.
 
     Returns 0. Raises :class:`~otel_generate.bench.config.BenchUsageError` on invalid input,
     before anything is written.
@@ -372,7 +384,12 @@ def main_bench(config: BenchConfig, stdout: Any = None, stderr: Any = None, prog
                 handle.write(text + "\n")
 
         _write_atomically(config.output, write_json)
-    print(summary_text(result), file=stderr)
+    for warning in result.get("warnings", []):
+        print(f"WARNING: {warning}", file=stderr)
+    stderr.flush()
+    report = stderr if config.output == "-" else stdout
+    print(summary_text(result, config.show_per_run), file=report)
+    report.flush()
     if config.plot is not None:
         print(f"  plot written to {config.plot}", file=stderr)
     if config.output not in (None, "-"):

@@ -56,6 +56,7 @@ class BenchConfig:
     step_spans: Optional[str] = None  # --compare: instrument(step_spans=...); None: the instrumentation's default
     background_emission: Optional[bool] = None  # --compare: instrument(background_emission=...); None: its default
     sampler: str = "always_on"  # --compare: the TracerProvider's sampler, one of SAMPLERS
+    show_per_run: bool = False  # --compare: the report also shows the pairs that instrument() around each run
     continuous_batching: bool = False  # the continuous-batching workload (otel_generate.bench.continuous)
     requests: Optional[int] = None  # --continuous-batching: requests per run (None: the default, 16)
     instructions: bool = False  # count instructions under callgrind (otel_generate.bench.instructions)
@@ -133,6 +134,8 @@ class BenchConfig:
                 )
             if self.sampler != "always_on":
                 raise BenchUsageError("--sampler applies to the instrumented runs of --compare; add --compare")
+        if self.show_per_run and not self.compare:
+            raise BenchUsageError("--show-per-run shows pairs of --compare; add --compare")
         if self.sampler not in SAMPLERS:
             raise BenchUsageError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         if self.step_spans is not None and self.step_spans not in STEP_SPAN_POLICIES:

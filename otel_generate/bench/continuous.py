@@ -277,15 +277,15 @@ def run(
 
 
 def summary_text(result: Dict[str, Any]) -> str:
-    """The human-readable summary of a ``--continuous-batching`` result (every median with its IQR)."""
+    """The report of a ``--continuous-batching`` result (every median with its IQR); the warnings are
+    counted in it, and printed on stderr by the command line."""
     cmp = result["compare"]
 
     def m(name: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
         return median_iqr_text(cmp[f"median_{name}"], cmp[f"iqr_{name}"], fmt, scale, unit)
 
-    lines = [f"WARNING: {w}" for w in result.get("warnings", [])]
     sizes = result["continuous_batching_config"]
-    lines += [
+    lines = [
         f"otel-generate bench --continuous-batching: {result['model']}",
         f"  device {result['device']}, {result['dtype']}, {result['threads']} thread(s), "
         f"{result['parameters']:,} parameters",
@@ -307,4 +307,9 @@ def summary_text(result: Dict[str, Any]) -> str:
         f"    spans exported {cmp['spans_exported']} (expected {cmp['spans_expected']}); "
         f"outputs identical: {cmp['outputs_identical']}",
     ]
+    if result.get("warnings"):
+        lines.append(
+            f"  {len(result['warnings'])} warning(s), on stderr and in the JSON's warnings: "
+            "the figures above are less trustworthy"
+        )
     return "\n".join(lines)

@@ -12,8 +12,8 @@ with tqdm (a dependency of transformers, and of the ``bench`` extra):
 It is shown when stderr is a terminal or ``--progress`` is given, and never with ``--quiet``
 (:func:`wanted`). It is drawn between runs, outside every timer, and starts no thread (tqdm's
 monitor thread is off). :meth:`Progress.say` prints a line at once, above the progress line,
-whether progress is shown or not: a busy machine found at the start is reported then, not only in
-the summary at the end.
+whether progress is shown or not: a busy machine found at the start is reported then, not only
+with the warnings at the end.
 """
 
 from __future__ import annotations

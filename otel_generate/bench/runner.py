@@ -1,4 +1,4 @@
-"""The ``generate()`` bench: the measured runs, ``--compare``, the result document and its summary.
+"""The ``generate()`` bench: the measured runs, ``--compare``, the result document and its report.
 
 ``otel-generate bench`` times ``generate()`` on a device and keeps every sample:
 
@@ -24,7 +24,8 @@
 ``MeterProvider``) run interleaved A B A B on the same inputs. After each instrumented call the
 work it deferred (the span processor's export, the metric collection) is finished outside any
 timer and charged to that call, so it reports two paired ratios: the caller-visible one and
-the one including deferred work.
+the one including deferred work. Its report ends with one conclusion (:func:`conclusion`): the
+steady state's caller-visible added time per step and ratio, each with a confidence interval.
 
 The workload is a :class:`~otel_generate.bench.workload.Runner`: a model, its inputs and the one
 call each run times. The A/B loop and the instrumented side are shared with the
@@ -49,7 +50,7 @@ from otel_generate.bench.common import ORDER, InstrumentedSide, begin, document_
 from otel_generate.bench.config import BenchConfig
 from otel_generate.bench.monitor import LoadMonitor
 from otel_generate.bench.progress import Progress
-from otel_generate.bench.stats import make_sample, median_iqr_text, summarize, with_iqr
+from otel_generate.bench.stats import make_sample, median_interval, median_iqr_text, summarize, with_iqr
 from otel_generate.bench.workload import Runner, sequences_of
 
 #: Keys every bench JSON document has (``samples`` entries have at least :data:`SAMPLE_KEYS`).
@@ -191,7 +192,8 @@ def compare(
     result), then an instrumentor set up once and kept for all its instrumented runs, whose plain
     runs go through the installed wrappers under ``suppress_instrumentation()``
     (``instrument_once``, the same keys). The first charges every request with being the first
-    after ``instrument()``; the second never does.
+    after ``instrument()``; the second never does. ``conclusion`` (:func:`conclusion`) is the one
+    figure to quote, from the second: the steady state of an application.
 
     Raises:
         BenchUsageError: generate() is already instrumented (e.g. under ``opentelemetry-instrument``),
@@ -209,7 +211,64 @@ def compare(
         progress,
         "compare, instrumented once",
     )
+    result["conclusion"] = conclusion(result["instrument_once"])
     return result
+
+
+#: What the conclusion of ``--compare`` quotes, and from which pairs.
+CONCLUSION_FIGURE = "steady state, caller-visible"
+CONCLUSION_INTERVAL = (
+    "distribution-free confidence interval of the median over the pairs (the sign test's: the k-th smallest "
+    "to the k-th largest pair, k the largest rank that covers the median with the confidence given)"
+)
+NOT_RESOLVED = "not resolved on this machine"
+
+
+def conclusion(block: Dict[str, Any]) -> Dict[str, Any]:
+    """The one figure of ``--compare``, from the pairs of ``block`` (``compare.instrument_once``, the
+    steady state): the median over the pairs of the caller-visible added time per decode step and of
+    the paired ratio, each with the confidence interval of its median
+    (:func:`~otel_generate.bench.stats.median_interval`).
+
+    Both intervals take the same ranks of the same pairs, and a pair's added time is above zero
+    exactly when its ratio is above one, so the two agree: ``resolved`` is false when the interval of
+    the added time holds zero (the ratio's then holds one), or when there is one pair (no interval).
+    ``text`` is the line the report ends with.
+    """
+    added, achieved = median_interval(block["added_us_per_step"])
+    ratio, _ = median_interval(block["paired_ratios"])
+    resolved = achieved > 0 and not added[0] <= 0 <= added[1]
+    result: Dict[str, Any] = {
+        "figure": CONCLUSION_FIGURE,
+        "pairs": len(block["added_us_per_step"]),
+        "added_us_per_step": block["median_added_us_per_step"],
+        "added_us_per_step_interval": added,
+        "ratio": block["median_paired_ratio"],
+        "ratio_interval": ratio,
+        "confidence": achieved,
+        "interval": CONCLUSION_INTERVAL,
+        "resolved": resolved,
+    }
+    result["text"] = conclusion_text(result)
+    return result
+
+
+def conclusion_text(c: Dict[str, Any]) -> str:
+    """``conclusion (steady state, caller-visible, 30 pairs): added 7.0 us per decode step (95 % CI -3.1 to
+    20.4 us), ratio 1.0060 (95 % CI 0.9970 to 1.0180): not resolved on this machine`` (the last clause only
+    when not resolved)."""
+    head = f"conclusion ({c['figure']}, {c['pairs']} pair{'s' if c['pairs'] != 1 else ''}): "
+    if c["confidence"] > 0:
+        ci = f"{c['confidence'] * 100:.3g} % CI"
+        low, high = c["added_us_per_step_interval"]
+        r_low, r_high = c["ratio_interval"]
+        text = (
+            f"added {c['added_us_per_step']:.1f} us per decode step ({ci} {low:.1f} to {high:.1f} us), "
+            f"ratio {c['ratio']:.4f} ({ci} {r_low:.4f} to {r_high:.4f})"
+        )
+    else:
+        text = f"added {c['added_us_per_step']:.1f} us per decode step, ratio {c['ratio']:.4f} (one pair: no interval)"
+    return head + text + ("" if c["resolved"] else f": {NOT_RESOLVED}")
 
 
 def runs_in_all(config: BenchConfig) -> int:
@@ -354,17 +413,53 @@ def run(
 
 
 # --------------------------------------------------------------------------------------------
-# The summary
+# The report
 # --------------------------------------------------------------------------------------------
 
 
-def summary_text(result: Dict[str, Any]) -> str:
-    """The human-readable summary of a ``generate()`` result (every median with its IQR)."""
+def _pairs_lines(title: str, block: Dict[str, Any]) -> List[str]:
+    """One set of ``--compare`` pairs: the plain runs' median for scale, then what each pair measured
+    (instrumented against the plain run beside it) as a median over the pairs with its IQR.
+
+    The instrumented runs' own median is left out: it comes from other runs than the plain median,
+    and on a noisy machine its quotient with it can be far from the median of the paired ratios.
+    """
+
+    def m(name: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
+        return median_iqr_text(block[f"median_{name}"], block[f"iqr_{name}"], fmt, scale, unit)
+
+    byte_text = ""
+    if block.get("exported_bytes") is not None:
+        byte_text = f", {block['exported_bytes']:,} OTLP bytes encoded and discarded"
+        if block.get("exported_metric_bytes") is not None:
+            byte_text += f" (+{block['exported_metric_bytes']:,} of metrics)"
+    return [
+        f"  compare, {title}: {block['pairs']} pairs of runs of their own (not the measured runs above), "
+        f"plain then instrumented, A B A B, exporter {block['exporter']}",
+        f"    plain generate()  median {m('plain_elapsed_s', '.3f', 1e3, 'ms')}, "
+        f"{m('plain_tokens_per_s', '.1f', unit='tokens/s')}",
+        "    each pair, instrumented against the plain run beside it; the median over the pairs "
+        "(IQR: how far the pairs spread)",
+        f"      added per step  caller-visible {m('added_us_per_step', '.1f', unit='us')}, "
+        f"with deferred work {m('added_us_per_step_with_deferred', '.1f', unit='us')}",
+        f"      ratio           caller-visible {m('paired_ratio', '.4f')}, "
+        f"with deferred work {m('paired_ratio_with_deferred', '.4f')}",
+        f"      deferred work   {m('instrumented_deferred_s', '.3f', 1e3, 'ms')} per instrumented call "
+        "(span and metric flush after it, outside its timer)",
+        f"    spans exported {block['spans_exported']} (expected {block['spans_expected']}){byte_text}; "
+        f"outputs identical: {block['outputs_identical']}",
+    ]
+
+
+def summary_text(result: Dict[str, Any], per_run: bool = False) -> str:
+    """The report of a ``generate()`` result (every median with its IQR); with ``--compare`` the
+    steady-state pairs (``per_run``: also those that instrument around each run) and, last, the
+    conclusion. Warnings are not in it: the command line prints them on stderr."""
     samples = result["samples"]
     elapsed = [s["elapsed_s"] for s in samples]
     rates = [s["tokens_per_s"] for s in samples]
     tokens = sorted({s["new_tokens"] for s in samples})
-    lines = [f"WARNING: {w}" for w in result.get("warnings", [])]
+    lines: List[str] = []
 
     def r(name: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
         return median_iqr_text(result[f"median_{name}"], result[f"iqr_{name}"], fmt, scale, unit)
@@ -386,47 +481,17 @@ def summary_text(result: Dict[str, Any]) -> str:
     ]
     cmp = result.get("compare")
     if cmp:
-
-        def m(name: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
-            return median_iqr_text(cmp[f"median_{name}"], cmp[f"iqr_{name}"], fmt, scale, unit)
-
-        byte_text = ""
-        if cmp.get("exported_bytes") is not None:
-            byte_text = f", {cmp['exported_bytes']:,} OTLP bytes encoded and discarded"
-            if cmp.get("exported_metric_bytes") is not None:
-                byte_text += f" (+{cmp['exported_metric_bytes']:,} of metrics)"
-        lines += [
-            f"  compare: {cmp['pairs']} pairs of runs of their own (not the measured runs above), "
-            f"plain / instrumented interleaved A B A B, exporter {cmp['exporter']}",
-            f"    plain         median {m('plain_elapsed_s', '.3f', 1e3, 'ms')}, "
-            f"{m('plain_tokens_per_s', '.1f', unit='tokens/s')}",
-            f"    instrumented  median {m('instrumented_elapsed_s', '.3f', 1e3, 'ms')} caller-visible, "
-            f"+ {m('instrumented_deferred_s', '.3f', 1e3, 'ms')} deferred (span and metric flush after the call)",
-            f"    paired ratio instrumented/plain: caller-visible {m('paired_ratio', '.4f')}, "
-            f"with deferred work {m('paired_ratio_with_deferred', '.4f')}",
-            f"    added per step: caller-visible {m('added_us_per_step', '.1f', unit='us')}, "
-            f"with deferred work {m('added_us_per_step_with_deferred', '.1f', unit='us')}",
-            f"    spans exported {cmp['spans_exported']} (expected {cmp['spans_expected']}){byte_text}; "
-            f"outputs identical: {cmp['outputs_identical']}",
-        ]
+        blocks = [("instrument() before and uninstrument() after each instrumented run", cmp)] if per_run else []
         once = cmp.get("instrument_once")
         if once:
-
-            def o(name: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
-                return median_iqr_text(once[f"median_{name}"], once[f"iqr_{name}"], fmt, scale, unit)
-
-            lines += [
-                f"  compare, instrumented once: {once['pairs']} more pairs, the instrumentor set up once and kept "
-                "for every instrumented run (the runs above: instrument()/uninstrument() around each); plain runs "
-                "under suppress_instrumentation()",
-                f"    plain         median {o('plain_elapsed_s', '.3f', 1e3, 'ms')}",
-                f"    instrumented  median {o('instrumented_elapsed_s', '.3f', 1e3, 'ms')} caller-visible, "
-                f"+ {o('instrumented_deferred_s', '.3f', 1e3, 'ms')} deferred",
-                f"    paired ratio instrumented/plain: caller-visible {o('paired_ratio', '.4f')}, "
-                f"with deferred work {o('paired_ratio_with_deferred', '.4f')}",
-                f"    added per step: caller-visible {o('added_us_per_step', '.1f', unit='us')}, "
-                f"with deferred work {o('added_us_per_step_with_deferred', '.1f', unit='us')}",
-                f"    spans exported {once['spans_exported']} (expected {once['spans_expected']}); "
-                f"outputs identical: {once['outputs_identical']}",
-            ]
+            blocks.append(("the instrumentor set up once and kept (steady state)", once))
+        for title, block in blocks:
+            lines += _pairs_lines(title, block)
+    if result.get("warnings"):
+        lines.append(
+            f"  {len(result['warnings'])} warning(s), on stderr and in the JSON's warnings: "
+            "the figures above are less trustworthy"
+        )
+    if cmp and "conclusion" in cmp:
+        lines.append(cmp["conclusion"]["text"])
     return "\n".join(lines)

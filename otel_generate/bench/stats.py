@@ -8,8 +8,9 @@ whose runs spread widely is not worth a third digit.
 
 from __future__ import annotations
 
+import math
 import statistics
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from otel_generate.stats import percentile
 
@@ -64,6 +65,51 @@ def with_iqr(result: Dict[str, Any], name: str, values: Sequence[Optional[float]
     """Set ``result["median_<name>"]`` and ``result["iqr_<name>"]`` from ``values``."""
     result[f"median_{name}"] = median_of(values)
     result[f"iqr_{name}"] = iqr_of(values)
+
+
+#: The confidence the bench's intervals aim for; fewer than 6 values cannot reach it (:func:`median_rank`).
+CONFIDENCE = 0.95
+
+
+def median_rank(count: int, confidence: float = CONFIDENCE) -> Tuple[int, float]:
+    """The order statistics that bound a distribution-free confidence interval of the median of ``count``
+    values: ``(k, achieved)``, the interval being the ``k``-th smallest to the ``k``-th largest value.
+
+    Whatever the distribution, each value falls below the true median with probability 1/2, so the
+    interval misses it with probability ``2 * P(B <= k - 1)``, ``B`` binomial (``count``, 1/2): the
+    interval of the sign test. ``k`` is the largest rank whose interval covers the median with
+    probability ``confidence`` or more; when even the smallest and largest values do not reach it
+    (fewer than 6 values for 95 %), ``k`` is 1 and ``achieved`` says how far they do (3 values: 0.75).
+    One value gives no interval: ``(1, 0.0)``.
+
+    Raises:
+        ValueError: ``count`` below 1, or ``confidence`` outside (0, 1).
+    """
+    if count < 1:
+        raise ValueError(f"a confidence interval of the median needs at least one value, got {count}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be between 0 and 1, got {confidence!r}")
+    below = 0  # P(B <= k - 1), summed as k grows
+    k, achieved = 1, 1.0 - 2 * 0.5**count
+    for rank in range(1, (count + 1) // 2 + 1):
+        below += math.comb(count, rank - 1) / 2**count
+        coverage = 1.0 - 2 * below
+        if coverage < confidence:
+            break
+        k, achieved = rank, coverage
+    return k, max(achieved, 0.0)
+
+
+def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Tuple[List[float], float]:
+    """``([low, high], achieved)``: the distribution-free confidence interval of the median of ``values``
+    (:func:`median_rank`: the ``k``-th smallest and ``k``-th largest value) and the confidence it has.
+
+    Raises:
+        ValueError: no values.
+    """
+    ordered = sorted(float(v) for v in values)
+    k, achieved = median_rank(len(ordered), confidence)
+    return [ordered[k - 1], ordered[-k]], achieved
 
 
 def median_iqr_text(

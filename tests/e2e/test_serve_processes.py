@@ -44,6 +44,7 @@ pytest.importorskip(
 
 import transformers.cli.serving.utils as serving_utils  # noqa: E402
 
+from tests.helpers import serve_command_environment  # noqa: E402
 from tests.helpers.otlp_receiver import GRPC, OTLPReceiver, any_value, attributes  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -94,7 +95,8 @@ def start_server(model_dir, receiver, mode, log_path, api_servers=1):
         OTEL_LOGS_EXPORTER="none",
         OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
         OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,
-        OTEL_EXPERIMENTAL_RESOURCE_DETECTORS="otel,process",  # process.pid and process.parent_pid on each span
+        # process.pid and process.parent_pid on each span, as docs/serving.md's server command sets them
+        OTEL_EXPERIMENTAL_RESOURCE_DETECTORS=serve_command_environment()["OTEL_EXPERIMENTAL_RESOURCE_DETECTORS"],
         PYTHONUNBUFFERED="1",
         PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
     )

@@ -1,5 +1,6 @@
 """The package as users get it: ``python -m build`` makes a wheel and an sdist, and
-the wheel, installed into a fresh venv, runs the example under ``opentelemetry-instrument``.
+the wheel, installed into a fresh venv, runs the example under ``opentelemetry-instrument``;
+docs/install.md's commands, word for word, install it from a clone and from a wheel built there.
 
 Installing torch into the fresh venv would download it again (hundreds of MB). Instead the fresh
 venv reaches this test venv's packages through a ``.pth`` file pointing at a directory of symbolic
@@ -12,8 +13,11 @@ index), as a user's is: slow.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -75,6 +79,27 @@ def _share_site_packages(into):
     return into
 
 
+def _fresh_venv(venv, shared):
+    """A venv without pip that reaches the ``shared`` packages through a ``.pth`` file, and a ``pip``
+    command in its ``bin`` (``python -m pip``: pip from the shared packages, installing into the venv).
+
+    Returns ``(python, env, site-packages)``; ``env`` puts the venv's ``bin`` first on ``PATH``.
+    """
+    _run([sys.executable, "-m", "venv", "--without-pip", venv])
+    python = venv / "bin" / "python"
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "PYTHON", "VIRTUAL_ENV"))}
+    env.update(PYTHONNOUSERSITE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    site = pathlib.Path(
+        _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=env).stdout.strip()
+    )
+    (site / "zz_test_venv_packages.pth").write_text(f"{shared}\n", encoding="utf-8")
+    pip = venv / "bin" / "pip"
+    pip.write_text(f'#!/bin/sh\nexec "{python}" -m pip "$@"\n', encoding="utf-8")
+    pip.chmod(0o755)
+    return python, env, site
+
+
 @pytest.mark.slow
 def test_built_wheel_in_a_fresh_venv_runs_the_example_under_opentelemetry_instrument(tmp_path):
     if not INSTRUMENT.exists():
@@ -114,16 +139,7 @@ def test_built_wheel_in_a_fresh_venv_runs_the_example_under_opentelemetry_instru
     } <= members
     assert {f"otel_generate/{module}" for module in MODULES} <= members
 
-    venv = tmp_path / "fresh-venv"
-    _run([sys.executable, "-m", "venv", "--without-pip", venv])
-    python = venv / "bin" / "python"
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "PYTHON", "VIRTUAL_ENV"))}
-    env.update(PYTHONNOUSERSITE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    site = pathlib.Path(
-        _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=env).stdout.strip()
-    )
-    shared = _share_site_packages(tmp_path / "test-venv-packages")
-    (site / "zz_test_venv_packages.pth").write_text(f"{shared}\n", encoding="utf-8")
+    python, env, site = _fresh_venv(tmp_path / "fresh-venv", _share_site_packages(tmp_path / "test-venv-packages"))
     # pip comes from the shared packages; it installs into the fresh venv (sys.prefix)
     _run(
         [python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--disable-pip-version-check", wheel],
@@ -166,3 +182,93 @@ def test_built_wheel_in_a_fresh_venv_runs_the_example_under_opentelemetry_instru
     assert len(requests) == 1
     assert requests[0]["attributes"][A.GEN_AI_USAGE_OUTPUT_TOKENS] == NEW_TOKENS
     assert requests[0]["resource"]["attributes"]["service.name"] == "from-wheel"
+
+
+# --- docs/install.md, as written --------------------------------------------------------------------------
+
+INSTALL_PAGE = ROOT / "docs" / "install.md"
+#: where docs/install.md's commands name the user's clone
+CLONE = "/path/to/otel_generate"
+
+CHECK_INSTALLED = r"""
+import importlib.metadata as md, json, otel_generate
+dist = md.distribution("otel-generate")
+print("VERSION", dist.version)
+print("FROM", otel_generate.__file__)
+print("DIRECT_URL", json.dumps(json.loads(dist.read_text("direct_url.json") or "null")))
+"""
+
+
+def install_blocks():
+    """The bash blocks of docs/install.md's "In your project" section, in order."""
+    text = INSTALL_PAGE.read_text()
+    section = text[text.index("## In your project") : text.index("## Supported versions")]
+    return re.findall(r"^```bash\n(.*?)^```$", section, re.M | re.S)
+
+
+def _clone(into):
+    """A git repository at ``into`` holding this checkout's files as they are now (tracked ones and new
+    ones git does not ignore), committed: what a user's clone is."""
+    listed = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=str(ROOT)).stdout
+    for name in filter(None, listed.split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, into / name)
+    git = ["git", "-C", into, "-c", "user.name=test", "-c", "user.email=test@localhost"]
+    _run(git + ["init", "-q"])
+    _run(git + ["add", "-A"])
+    _run(git + ["commit", "-q", "-m", "the checkout under test"])
+    return into
+
+
+def test_install_page_has_the_commands_the_test_runs():
+    clone, wheel = install_blocks()
+    commands = [line for line in clone.splitlines() if line and not line.startswith("#")]
+    assert commands == [
+        f'pip install "{CLONE}[instruments]"',
+        f'pip install "otel-generate[instruments] @ git+file://{CLONE}"',
+    ]
+    assert "python -m build --wheel" in wheel and f"cd {CLONE}" in wheel
+    assert "<" not in "".join(commands) + wheel  # no placeholder left for the reader to fill in
+
+
+@pytest.mark.slow
+def test_install_page_commands_install_from_a_clone_and_from_a_wheel(tmp_path):
+    """Each of docs/install.md's ways runs, word for word, in a fresh venv, with a clone of this checkout
+    at the page's path; the installed package is this version, imported from the venv, with its console
+    script, and its ``direct_url.json`` says where pip took it from."""
+    pytest.importorskip("build")
+    if shutil.which("git") is None:
+        pytest.fail("git is needed to make the clone docs/install.md installs from")
+    clone = _clone(tmp_path / "otel_generate")
+    from_clone, from_wheel = install_blocks()
+    scripts = [line for line in from_clone.splitlines() if line and not line.startswith("#")] + [from_wheel]
+    shared = _share_site_packages(tmp_path / "test-venv-packages")
+    installed = []
+    for number, script in enumerate(scripts):
+        python, env, site = _fresh_venv(tmp_path / f"venv-{number}", shared)
+        done = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script.replace(CLONE, str(clone))],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            env=env,
+            cwd=str(tmp_path),
+        )
+        if done.returncode != 0 and "Could not find a version that satisfies" in done.stdout + done.stderr:
+            pytest.skip("the isolated build could not fetch setuptools from the package index")
+        assert done.returncode == 0, f"{script}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        lines = _run([python, "-c", CHECK_INSTALLED], env=env, cwd=str(tmp_path)).stdout.splitlines()
+        found = dict(line.split(" ", 1) for line in lines)
+        assert found["VERSION"] == __version__
+        assert pathlib.Path(found["FROM"]) == site / "otel_generate" / "__init__.py"  # a copy in the venv
+        version = _run([python.with_name("otel-generate"), "--version"], env=env).stdout.strip()
+        assert version == f"otel-generate {__version__}"
+        installed.append(json.loads(found["DIRECT_URL"]))
+    path, git, wheel = installed
+    assert path["url"] == clone.as_uri() and "dir_info" in path
+    assert git["url"] == clone.as_uri() and git["vcs_info"]["vcs"] == "git"
+    commit = _run(["git", "-C", clone, "rev-parse", "HEAD"]).stdout.strip()
+    assert git["vcs_info"]["commit_id"] == commit
+    assert wheel["url"] == (clone / "dist" / f"otel_generate-{__version__}-py3-none-any.whl").as_uri()

@@ -97,3 +97,17 @@ def console_spans(text):
         if isinstance(obj, dict) and "context" in obj and "name" in obj:
             spans.append(obj)
     return spans
+
+
+def serve_command_environment():
+    """``{variable: value}`` that docs/serving.md's ``transformers serve`` command (the one of its
+    "With the ``openai`` client" section) sets before ``opentelemetry-instrument``."""
+    import pathlib
+    import re
+    import shlex
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    (block,) = [b for b in re.findall(r"^```bash\n(.*?)^```$", text, re.M | re.S) if "transformers serve /tmp/" in b]
+    command = block[block.index("OTEL_") :].replace("\\\n", " ")
+    words = shlex.split(command[: command.index("opentelemetry-instrument")])
+    return dict(word.split("=", 1) for word in words)

@@ -9,6 +9,8 @@ import importlib.util
 import json
 import math
 import os
+import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -70,8 +72,8 @@ def test_json_has_every_key_of_the_issue_with_its_type(tmp_path, capsys):
     assert doc["parameters"] == sum(p.numel() for p in model.parameters())
     assert (doc["device"], doc["dtype"], doc["threads"], doc["warmup"], doc["runs"]) == ("cpu", "float32", 1, 1, 2)
     assert (doc["prompt_tokens"], doc["new_tokens_requested"], doc["batch_size"]) == (4, 3, 1)
-    err = capsys.readouterr().err
-    assert "tokens/s" in err and "time to first token" in err  # the human-readable summary is on stderr
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "time to first token" in out  # the report is on stdout
 
 
 def test_every_median_has_its_interquartile_range_in_the_json_and_the_summary(tmp_path, capsys):
@@ -97,20 +99,21 @@ def test_every_median_has_its_interquartile_range_in_the_json_and_the_summary(tm
         assert len(values) == 5
         assert cmp[f"median_{name}"] == statistics.median(values)
         assert cmp[f"iqr_{name}"] == pytest.approx(_quartiles(values), rel=1e-12)
-    # the summary prints the same interquartile ranges next to the medians
-    err = capsys.readouterr().err
+    # the report prints the same interquartile ranges next to the medians (of the steady-state pairs)
+    out = capsys.readouterr().out
     q1, q3 = doc["iqr_elapsed_s"]
-    assert f"median {doc['median_elapsed_s'] * 1e3:.3f} ms (IQR {q1 * 1e3:.3f} to {q3 * 1e3:.3f} ms)" in err
+    assert f"median {doc['median_elapsed_s'] * 1e3:.3f} ms (IQR {q1 * 1e3:.3f} to {q3 * 1e3:.3f} ms)" in out
     q1, q3 = doc["iqr_tokens_per_s"]
-    assert f"median {doc['median_tokens_per_s']:.1f} (IQR {q1:.1f} to {q3:.1f})" in err
+    assert f"median {doc['median_tokens_per_s']:.1f} (IQR {q1:.1f} to {q3:.1f})" in out
     q1, q3 = doc["iqr_time_to_first_token_ms"]
-    assert f"{doc['median_time_to_first_token_ms']:.3f} ms (IQR {q1:.3f} to {q3:.3f} ms)" in err
+    assert f"{doc['median_time_to_first_token_ms']:.3f} ms (IQR {q1:.3f} to {q3:.3f} ms)" in out
     q1, q3 = doc["iqr_time_per_output_token_ms"]
-    assert f"{doc['median_time_per_output_token_ms']:.3f} ms (IQR {q1:.3f} to {q3:.3f} ms)" in err
+    assert f"{doc['median_time_per_output_token_ms']:.3f} ms (IQR {q1:.3f} to {q3:.3f} ms)" in out
+    once = cmp["instrument_once"]
     for name in ("paired_ratio", "paired_ratio_with_deferred"):
-        q1, q3 = cmp[f"iqr_{name}"]
-        assert f"{cmp[f'median_{name}']:.4f} (IQR {q1:.4f} to {q3:.4f})" in err
-    for line in err.splitlines():
+        q1, q3 = once[f"iqr_{name}"]
+        assert f"{once[f'median_{name}']:.4f} (IQR {q1:.4f} to {q3:.4f})" in out
+    for line in out.splitlines():
         if " median " in line:
             assert "IQR" in line, line
 
@@ -207,8 +210,11 @@ def test_a_busy_machine_is_warned_about_and_every_reading_is_recorded(monkeypatc
     assert load["max_other_per_core"] == max(r["other_per_core"] for r in load["readings"]) > 2.4
     assert load["busy"] is True
     assert doc["warnings"] == [load["warning"]] and "the machine was busy" in load["warning"]
-    err = capsys.readouterr().err
-    # said at once, at the first reading (before the model was built), and again with the summary
+    captured = capsys.readouterr()
+    err = captured.err
+    # the report on stdout counts the warnings; they are printed on stderr
+    assert "WARNING" not in captured.out and "1 warning(s), on stderr and in the JSON's warnings" in captured.out
+    # said at once, at the first reading (before the model was built), and again with the report
     assert err.startswith("WARNING: the machine is busy: 1-minute load average 6.00 at start on 2 core(s)")
     assert "\nWARNING: the machine was busy: 1-minute load average 6.00" in err
 
@@ -453,12 +459,74 @@ def test_headline_and_compare_say_which_runs_they_describe(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert "profiled runs" in doc["measured_runs"] and "per-step hook" in doc["measured_runs"]
     assert "separate from the measured (profiled) runs" in doc["compare"]["runs"]
-    err = capsys.readouterr().err
-    assert "measured runs (2, profiled: per-step hook on" in err
-    assert "compare: 2 pairs of runs of their own (not the measured runs above)" in err
+    out = capsys.readouterr().out
+    assert "measured runs (2, profiled: per-step hook on" in out
+    assert "(steady state): 2 pairs of runs of their own (not the measured runs above)" in out
     # the plain side's throughput is reported from the plain runs themselves
     cmp = doc["compare"]
     assert cmp["plain_tokens_per_s"] == [3 / a for a in cmp["plain_elapsed_s"]]
+
+
+CONCLUSION = re.compile(
+    r"conclusion \(steady state, caller-visible, (?P<pairs>\d+) pairs\): "
+    r"added (?P<added>-?\d+\.\d) us per decode step \((?P<confidence>[\d.]+) % CI (?P<low>-?\d+\.\d) to "
+    r"(?P<high>-?\d+\.\d) us\), ratio (?P<ratio>\d+\.\d{4}) \((?P=confidence) % CI (?P<r_low>\d+\.\d{4}) to "
+    r"(?P<r_high>\d+\.\d{4})\)(?P<unresolved>: not resolved on this machine)?"
+)
+
+
+def test_compare_report_on_stdout_ends_with_the_conclusion_the_json_holds(tmp_path):
+    """``otel-generate bench --compare --runs 3 --new-tokens 32 2>/dev/null``, with ``--output`` for the JSON
+    to check it against: the report is on stdout, and its last line is the conclusion."""
+    script = shutil.which("otel-generate", path=str(Path(sys.executable).parent))
+    assert script is not None, "the otel-generate console script is not installed (pip install -e .)"
+    command = f"{shlex.quote(script)} bench --compare --runs 3 --new-tokens 32 --output result.json 2>/dev/null"
+    proc = subprocess.run(
+        ["bash", "-c", command], capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=300
+    )
+    assert proc.returncode == 0 and proc.stderr == ""
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("otel-generate bench: ") and "tokens/s" in proc.stdout
+    assert not any(line.startswith(("WARNING", "  JSON written")) for line in lines)  # those go to stderr
+    assert sum(line.startswith("conclusion") for line in lines) == 1
+    shown = CONCLUSION.fullmatch(lines[-1])
+    assert shown, lines[-1]
+    once = json.loads((tmp_path / "result.json").read_text())["compare"]["instrument_once"]
+    conclusion = json.loads((tmp_path / "result.json").read_text())["compare"]["conclusion"]
+    assert conclusion["text"] == lines[-1]
+    # three pairs: the interval is the smallest to the largest pair, which holds the median with
+    # probability 1 - 2 / 2**3, whatever the distribution
+    added, ratios = once["added_us_per_step"], once["paired_ratios"]
+    assert len(added) == len(ratios) == conclusion["pairs"] == int(shown["pairs"]) == 3
+    assert conclusion["confidence"] == 0.75 and shown["confidence"] == "75"
+    assert conclusion["added_us_per_step"] == statistics.median(added)
+    assert conclusion["added_us_per_step_interval"] == [min(added), max(added)]
+    assert conclusion["ratio"] == statistics.median(ratios)
+    assert conclusion["ratio_interval"] == [min(ratios), max(ratios)]
+    assert shown["added"] == f"{statistics.median(added):.1f}"
+    assert (shown["low"], shown["high"]) == (f"{min(added):.1f}", f"{max(added):.1f}")
+    assert shown["ratio"] == f"{statistics.median(ratios):.4f}"
+    assert (shown["r_low"], shown["r_high"]) == (f"{min(ratios):.4f}", f"{max(ratios):.4f}")
+    holds_zero = min(added) <= 0 <= max(added)
+    assert conclusion["resolved"] is not holds_zero and (shown["unresolved"] is not None) is holds_zero
+    assert (min(ratios) <= 1 <= max(ratios)) is holds_zero
+
+
+def test_the_report_shows_the_steady_state_and_the_per_run_pairs_only_when_asked(tmp_path, capsys):
+    per_run, steady = "instrument() before and uninstrument() after each instrumented run", "(steady state)"
+    assert run_cli(*FAST, "--compare", "--output", str(tmp_path / "a.json")) == 0
+    default = capsys.readouterr().out.splitlines()
+    assert any(steady in line for line in default) and not any(per_run in line for line in default)
+    assert run_cli(*FAST, "--compare", "--show-per-run", "--output", str(tmp_path / "b.json")) == 0
+    both = capsys.readouterr().out.splitlines()
+    first, second = (next(i for i, line in enumerate(both) if text in line) for text in (per_run, steady))
+    assert first < second  # the steady state last, above its conclusion
+    doc = json.loads((tmp_path / "b.json").read_text())
+    for lines in (default, both):
+        assert lines[-1].startswith("conclusion (steady state, caller-visible, 2 pairs): ")
+        # each pair against its own plain run: the instrumented runs' own median is not shown beside it
+        assert not any(line.strip().startswith("instrumented") for line in lines)
+    assert both[-1] == doc["compare"]["conclusion"]["text"]
 
 
 def test_compare_finishes_deferred_work_after_each_instrumented_call_and_charges_it(monkeypatch):
@@ -577,7 +645,8 @@ def test_otlp_encode_exporter_really_encodes_every_span_as_otlp_protobuf(monkeyp
         for m in sm.metrics
     }
     assert {A.METRIC_REQUEST_DURATION, A.METRIC_TIME_TO_FIRST_TOKEN, A.METRIC_TOKEN_USAGE} <= metric_names
-    assert f"{cmp['exported_bytes']:,} OTLP bytes encoded and discarded" in captured.err
+    # --output - puts the JSON on stdout, so the report is on stderr; it shows the steady-state pairs
+    assert f"{once['exported_bytes']:,} OTLP bytes encoded and discarded" in captured.err
 
 
 def test_max_step_spans_is_passed_to_the_instrumented_runs(capsys):

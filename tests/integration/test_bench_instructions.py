@@ -39,9 +39,10 @@ def test_instructions_counts_what_the_instrumentation_adds(tmp_path, capsys):
         # the caller's thread pays less than every thread: the background emitter builds them
         assert row["caller_added_per_call"] < row["added_per_call"], name
     assert rows["all-step-spans"]["spans_per_call"] == 17 and rows["unsampled"]["spans_per_call"] == 0
-    err = capsys.readouterr().err
-    assert "instructions are not time" in err and "the caller's thread" in err and "all-step-spans" in err
+    captured = capsys.readouterr()
+    report = captured.out  # on stdout; the progress on stderr
+    assert "instructions are not time" in report and "the caller's thread" in report and "all-step-spans" in report
     # --progress: the processes done, from the parent (each configuration twice, one per thread view: 6)
-    progress = [line for line in err.splitlines() if line.startswith("otel-generate bench: callgrind")]
+    progress = [line for line in captured.err.splitlines() if line.startswith("otel-generate bench: callgrind")]
     assert progress[0].startswith("otel-generate bench: callgrind, one process per configuration and thread view: 0/6")
     assert " 6/6 processes [" in progress[-1], progress

@@ -77,17 +77,15 @@ def test_without_a_terminal_and_without_progress_no_progress_line_is_printed():
     )
     assert proc.returncode == 0, proc.stderr
     assert not any(PROGRESS.match(line) for line in proc.stderr.splitlines()), proc.stderr
-    assert "tokens/s" in proc.stderr  # the summary is still printed
+    assert "tokens/s" in proc.stderr  # the report is still printed (on stderr: --output - has stdout)
     assert json.loads(proc.stdout)["runs"] == 1
 
 
 def _run_on_a_terminal(*argv: str) -> str:
-    """Run the bench with stderr a pseudo-terminal; what it wrote there."""
+    """Run the bench with stdout and stderr a pseudo-terminal; what it wrote there."""
     master, slave = pty.openpty()
     try:
-        proc = subprocess.Popen(
-            [_script(), "bench", *argv], stderr=slave, stdout=subprocess.DEVNULL, env=_env(), close_fds=True
-        )
+        proc = subprocess.Popen([_script(), "bench", *argv], stderr=slave, stdout=slave, env=_env(), close_fds=True)
         os.close(slave)
         chunks = []
         while True:
@@ -111,4 +109,4 @@ def test_on_a_terminal_progress_is_shown_unasked_and_quiet_silences_it():
     assert "otel-generate bench: measured runs: 3/3 runs |" in shown, shown
     quiet = _run_on_a_terminal(*argv, "--quiet")
     assert "runs |" not in quiet and "set-up" not in quiet, quiet
-    assert "tokens/s" in quiet  # the summary is still printed
+    assert "tokens/s" in quiet  # the report is still printed

@@ -4,7 +4,11 @@ a message) of the plain, --compare and --continuous-batching modes."""
 
 from __future__ import annotations
 
+import math
+import random
+import statistics
 import sys
+from fractions import Fraction
 
 import numpy
 import pytest
@@ -23,6 +27,80 @@ def test_interquartile_range_of_known_values():
     assert stats.iqr_of([7.0]) == [7.0, 7.0]
     assert stats.iqr_of([None, 2.0, None, 4.0]) == [2.5, 3.5]  # missing values are skipped, as for the median
     assert stats.iqr_of([None]) is None and stats.median_of([None]) is None
+
+
+def _coverage(count, k):
+    """P(the k-th smallest to the k-th largest of ``count`` values holds the median), in exact fractions."""
+    return 1 - 2 * Fraction(sum(math.comb(count, i) for i in range(k)), 2**count)
+
+
+def test_the_median_interval_is_the_sign_tests_with_the_largest_rank_that_reaches_95_percent():
+    for count in range(1, 61):
+        reaching = [k for k in range(1, (count + 1) // 2 + 1) if _coverage(count, k) >= Fraction(95, 100)]
+        k = max(reaching) if reaching else 1
+        assert stats.median_rank(count) == (k, pytest.approx(float(max(_coverage(count, k), 0)), abs=1e-15)), count
+    # fewer than 6 values cannot reach 95 %: the whole range, with the confidence it has
+    assert [stats.median_rank(n) for n in (1, 2, 3, 5, 6)] == [(1, 0.0), (1, 0.5), (1, 0.75), (1, 0.9375), (1, 0.96875)]
+    # the ranks of the published tables of the sign test's 95 % interval
+    assert [stats.median_rank(n)[0] for n in (9, 20, 30, 100)] == [2, 6, 10, 40]
+    assert stats.median_interval([5.0, -1.0, 3.0]) == ([-1.0, 5.0], 0.75)
+    assert stats.median_interval([float(v) for v in range(20, 0, -1)])[0] == [6.0, 15.0]
+    with pytest.raises(ValueError, match="at least one value"):
+        stats.median_interval([])
+
+
+@pytest.mark.parametrize("count", [3, 10, 30])
+def test_the_median_interval_holds_the_true_median_as_often_as_it_says(count):
+    draw = random.Random(count)
+    trials = 4000
+    held = 0
+    for _ in range(trials):  # a skewed distribution whose median is known: exponential, median ln 2
+        low, high = stats.median_interval([draw.expovariate(1.0) for _ in range(count)])[0]
+        held += low <= math.log(2) <= high
+    assert held / trials == pytest.approx(stats.median_rank(count)[1], abs=0.02)
+
+
+def _block(plain_s, instrumented_s, steps):
+    pairs = common.Pairs(plain_s=plain_s, instrumented_s=instrumented_s, trace_flush_s=[0.0] * len(plain_s))
+    pairs.metric_flush_s = [0.0] * len(plain_s)
+    ratios, _ = pairs.ratios()
+    added, _ = pairs.added_us_per_step([steps] * len(plain_s))
+    block = {"paired_ratios": ratios, "added_us_per_step": added}
+    stats.with_iqr(block, "paired_ratio", ratios)
+    stats.with_iqr(block, "added_us_per_step", added)
+    return block
+
+
+def test_the_conclusion_quotes_the_medians_with_intervals_that_agree_on_whether_zero_is_inside():
+    # six pairs, all slower instrumented: resolved; plain times differ, so the pairs' order by ratio is
+    # not their order by added time, and each interval takes its own values at the same ranks
+    plain = [0.100, 0.200, 0.100, 0.150, 0.120, 0.300]
+    block = _block(plain, [0.101, 0.2004, 0.1003, 0.1506, 0.1202, 0.3009], steps=10)
+    c = bench_runner.conclusion(block)
+    assert c["pairs"] == 6 and c["confidence"] == 0.96875  # 6 values: the whole range
+    assert c["added_us_per_step"] == statistics.median(block["added_us_per_step"])
+    assert c["added_us_per_step_interval"] == [min(block["added_us_per_step"]), max(block["added_us_per_step"])]
+    assert c["ratio"] == statistics.median(block["paired_ratios"])
+    assert c["ratio_interval"] == [min(block["paired_ratios"]), max(block["paired_ratios"])]
+    assert c["resolved"] is True and c["ratio_interval"][0] > 1
+    low, high = c["added_us_per_step_interval"]
+    r_low, r_high = c["ratio_interval"]
+    assert c["text"] == (
+        f"conclusion (steady state, caller-visible, 6 pairs): added {c['added_us_per_step']:.1f} us per decode step "
+        f"(96.9 % CI {low:.1f} to {high:.1f} us), ratio {c['ratio']:.4f} (96.9 % CI {r_low:.4f} to {r_high:.4f})"
+    )
+    # one pair faster instrumented: both intervals now hold the no-cost value
+    mixed = bench_runner.conclusion(_block(plain, [0.101, 0.1990, 0.1003, 0.1506, 0.1202, 0.3009], steps=10))
+    assert mixed["added_us_per_step_interval"][0] < 0 < mixed["added_us_per_step_interval"][1]
+    assert mixed["ratio_interval"][0] < 1 < mixed["ratio_interval"][1]
+    assert mixed["resolved"] is False and mixed["text"].endswith("): not resolved on this machine")
+    # one pair has no interval, and resolves nothing
+    single = bench_runner.conclusion(_block([0.1], [0.2], steps=10))
+    assert single["confidence"] == 0.0 and single["resolved"] is False
+    assert single["text"] == (
+        "conclusion (steady state, caller-visible, 1 pair): added 10000.0 us per decode step, ratio 2.0000 "
+        "(one pair: no interval): not resolved on this machine"
+    )
 
 
 def test_schema_check_rejects_a_document_missing_a_key():
@@ -145,6 +223,7 @@ def test_bench_with_an_unknown_option_prints_the_bench_usage(capsys):
         (["--max-step-spans", "3"], "--max-step-spans applies to the instrumented runs of --compare; add --compare"),
         (["--compare", "--max-step-spans", "-1"], "--max-step-spans must be 0 or more"),
         (["--compare", "--exporter", "zipkin"], "invalid choice"),
+        (["--show-per-run"], "--show-per-run shows pairs of --compare; add --compare"),
     ],
 )
 def test_compare_options_without_compare_or_out_of_range_exit_2(tmp_path, capsys, argv, message):

@@ -3,6 +3,7 @@ README's minimal SDK example is run by tests/e2e/test_readme_example.py)."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 
@@ -89,3 +90,27 @@ def test_ci_runs_the_readmes_test_command():
     assert any(re.search(rf"(^|[\s(&;]){re.escape(command)}(\s|\"|$)", line) for line in ci), (
         f".ci/run does not run {command!r}"
     )
+
+
+# =============================================================================================
+# docs/serving.md: where a span's process.pid comes from
+# =============================================================================================
+
+
+def test_the_serve_command_of_serving_md_gives_each_process_its_pid(monkeypatch):
+    """The variable the server command sets makes the SDK's ``Resource.create()`` (what the agent's
+    providers use) put this process's pid on the resource; without it there is none.
+    tests/e2e/test_serve_processes.py starts the server with the same variable and checks the pids."""
+    from opentelemetry.sdk.resources import Resource
+
+    from tests.helpers import serve_command_environment
+
+    documented = serve_command_environment()["OTEL_EXPERIMENTAL_RESOURCE_DETECTORS"]
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    monkeypatch.delenv("OTEL_EXPERIMENTAL_RESOURCE_DETECTORS", raising=False)
+    assert "process.pid" not in Resource.create().attributes
+    monkeypatch.setenv("OTEL_EXPERIMENTAL_RESOURCE_DETECTORS", documented)
+    attributes = Resource.create({"service.name": "tiny-serve"}).attributes
+    assert attributes["process.pid"] == os.getpid()
+    assert attributes["process.parent_pid"] == os.getppid()
+    assert attributes["service.name"] == "tiny-serve"

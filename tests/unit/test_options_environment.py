@@ -53,11 +53,50 @@ def test_explain_lists_every_option_but_the_providers_and_names_an_invalid_value
         "variable": "OTEL_GENERATE_MEASURE_ENERGY",
         "source": "default",
         "ignored": "maybe",
-        "problem": "OTEL_GENERATE_MEASURE_ENERGY='maybe' is not a boolean (true/false, 1/0, yes/no, on/off); "
-        "using the default True",
+        "problem": "OTEL_GENERATE_MEASURE_ENERGY='maybe' is not true or false; using the default true",
     }
     assert explained["slow_fraction"]["problem"] == (
         "OTEL_GENERATE_SLOW_FRACTION='2' is not a number between 0 and 1; using the default 0.05"
     )
     assert explained["step_spans"] == {"value": "slow", "variable": "OTEL_GENERATE_STEP_SPANS", "source": "environment"}
     assert [name for name, entry in explained.items() if "problem" in entry] == ["slow_fraction", "measure_energy"]
+
+
+@pytest.mark.parametrize(
+    "variable, value, message",
+    [
+        (
+            "OTEL_GENERATE_SYNCHRONIZE",
+            "maybe",
+            "OTEL_GENERATE_SYNCHRONIZE='maybe' is not true, false, wait or events; using the default true",
+        ),
+        (
+            "OTEL_GENERATE_BACKGROUND_EMISSION",
+            "sometimes",
+            "OTEL_GENERATE_BACKGROUND_EMISSION='sometimes' is not true or false; using the default true",
+        ),
+        (
+            "OTEL_GENERATE_CAPTURE_STEP_LOGPROBS",
+            "2",
+            "OTEL_GENERATE_CAPTURE_STEP_LOGPROBS='2' is not true or false; using the default false",
+        ),
+        (
+            "OTEL_GENERATE_STEP_OUTLIER_FACTOR",
+            "0.5",
+            "OTEL_GENERATE_STEP_OUTLIER_FACTOR='0.5' is not a number >= 1; using the default 3",
+        ),
+        (
+            "OTEL_GENERATE_MAX_STEP_SPANS",
+            "lots",
+            "OTEL_GENERATE_MAX_STEP_SPANS='lots' is not an int >= 0; using the default 1024",
+        ),
+    ],
+)
+def test_the_warning_spells_the_default_as_the_readme_does(
+    variable, value, message, no_package_env, monkeypatch, caplog, tracer_provider
+):
+    monkeypatch.setenv(variable, value)
+    with caplog.at_level(logging.WARNING, logger=LOGGER), instrumentation(tracer_provider=tracer_provider):
+        pass
+    (warning,) = warnings_from_package(caplog)
+    assert warning.getMessage() == f"otel_generate: {message}"
