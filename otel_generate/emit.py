@@ -24,6 +24,7 @@ Names and buckets come from :mod:`otel_generate.attributes`; the figures (second
 
 from __future__ import annotations
 
+import bisect
 import json
 import threading
 import time
@@ -604,5 +605,29 @@ def _record_metrics(
         inter_token = instruments.get(A.METRIC_INTER_TOKEN_LATENCY)
         if inter_token is not None:
             record = inter_token.record
-            for value in summary.inter_token_latencies_s:  # one value per decode step, as vLLM records it
-                record(value, base, context=context)
+            values = summary.inter_token_latencies_s  # one value per decode step, as vLLM records it
+            if exemplar_span is trace.INVALID_SPAN or len(values) < 2:
+                for value in values:
+                    record(value, base, context=context)
+            else:
+                # an exemplar-offering context only for the values that can become exemplars
+                offered = _last_in_each_bucket(values, A.BUCKETS_INTER_TOKEN_LATENCY_S)
+                plain = trace.set_span_in_context(trace.INVALID_SPAN, base_context)
+                for index, value in enumerate(values):
+                    record(value, base, context=context if index in offered else plain)
+
+
+def _last_in_each_bucket(values: Sequence[float], boundaries: Sequence[float]) -> set:
+    """The positions in ``values`` of the last value that falls in each histogram bucket
+    (``value <= boundary``, as buckets are counted). A histogram's default exemplar reservoir keeps
+    the last measurement offered in each bucket (the specification's
+    ``AlignedHistogramBucketExemplarReservoir``): of one request's values, only these can be its
+    exemplars, so only these are recorded with the request span in their context, and the
+    reservoir ends up holding what it would hold had every value been offered."""
+    found, seen = set(), set()
+    for index in range(len(values) - 1, -1, -1):
+        bucket = bisect.bisect_left(boundaries, values[index])
+        if bucket not in seen:
+            seen.add(bucket)
+            found.add(index)
+    return found

@@ -296,3 +296,57 @@ def test_telemetry_reads_its_settings_from_the_options_only():
     assert t.profilers() == ()  # no profiler registry given: none
     older = telemetry.Telemetry(t.tracer, {}, synchronize=False, max_step_spans=3)
     assert (older.options.synchronize, older.options.max_step_spans, older.max_step_spans) == (False, 3, 3)
+
+
+def test_inter_token_exemplars_are_those_every_value_offered_would_leave():
+    """A histogram's default reservoir keeps the last value offered in each bucket: the emitter
+    offers a request's inter-token values only where they are the last of their bucket, and the
+    exemplars are those that offering every value (here recorded by hand) would leave."""
+    from opentelemetry import trace
+
+    # decode steps of 2, 3, 2, 30, 3, 31, 2 ms: several values share a bucket
+    ends = [10_000_000]
+    for ms in (2, 3, 2, 30, 3, 31, 2):
+        ends.append(ends[-1] + ms * 1_000_000)
+    sdk = SDK()
+    sdk.run(make(ends, [1] * len(ends)))
+    request = sdk.request_span()
+    theirs = InMemoryMetricReader()
+    histogram = (
+        MeterProvider(metric_readers=[theirs])
+        .get_meter("by hand")
+        .create_histogram(
+            A.METRIC_INTER_TOKEN_LATENCY,
+            unit="s",
+            explicit_bucket_boundaries_advisory=list(A.BUCKETS_INTER_TOKEN_LATENCY_S),
+        )
+    )
+    context = trace.set_span_in_context(trace.NonRecordingSpan(request.context))
+    for step in sdk.step_spans()[1:]:
+        histogram.record((step.end_time - step.start_time) / NS, BASE, context=context)
+
+    def exemplars(reader):
+        data = reader.get_metrics_data()
+        (point,) = [
+            p
+            for r in data.resource_metrics
+            for s in r.scope_metrics
+            for m in s.metrics
+            if m.name == A.METRIC_INTER_TOKEN_LATENCY
+            for p in m.data.data_points
+        ]
+        return point.count, sorted((round(e.value, 9), e.span_id, e.trace_id) for e in point.exemplars)
+
+    ours = exemplars(sdk.reader)
+    assert ours == exemplars(theirs)
+    count, found = ours
+    assert count == 7 and len(found) < 7  # fewer exemplars than values: the buckets kept their last
+    assert {span_id for _, span_id, _ in found} == {request.context.span_id}
+
+
+def test_only_the_last_value_of_each_bucket_is_offered():
+    values = [0.002, 0.003, 0.002, 0.030, 0.003, 0.031, 0.002]
+    # buckets (.., 0.0025], (0.0025, 0.01], (0.01, 0.05]: last at positions 6, 4 and 5
+    assert emit._last_in_each_bucket(values, [0.0025, 0.01, 0.05]) == {6, 4, 5}
+    assert emit._last_in_each_bucket([0.01, 0.01], [0.01]) == {1}  # a value on a boundary is in that bucket
+    assert emit._last_in_each_bucket([], [0.01]) == set()
