@@ -24,6 +24,9 @@ registers it again when it meets a provider set after it
 (:meth:`BackgroundEmitter.drain_at_exit_before_providers`).
 Once stopped (``uninstrument()``), an emitter runs what is still handed to it (a request that was
 in flight) on the caller's thread, so nothing is lost.
+
+The worker thread is named :data:`WORKER_NAME` in Python and, on Linux, in the operating system
+(:func:`name_native_thread`), so that its CPU time can be told apart from outside the process.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import collections
 import functools
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -48,6 +52,24 @@ DEFAULT_MAX_PENDING = 1024
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 #: While requests are dropped, a warning at most this often (seconds), with the count since the last.
 DROP_LOG_INTERVAL_S = 60.0
+#: The worker thread's name, in Python and (its first 15 bytes, ``otel_generate-e``) in the operating system.
+WORKER_NAME = "otel_generate-emitter"
+#: Linux's ``prctl`` option that names the calling thread (``PR_SET_NAME``).
+_PR_SET_NAME = 15
+
+
+def name_native_thread(name: str) -> None:
+    """Name the calling thread in the operating system too, so that ``top -H``, ``ps -L`` and
+    ``/proc/<pid>/task/<tid>/comm`` tell it apart (and what CPU it used): on Linux, ``prctl(PR_SET_NAME)``
+    with the first 15 bytes of ``name``, as CPython does itself from 3.14. Elsewhere nothing; never raises."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode("utf-8")[:15]), 0, 0, 0)
+    except Exception:  # no libc symbol, a sandbox refusing the call: the name is a convenience
+        pass
 
 
 class BackgroundEmitter:
@@ -140,7 +162,7 @@ class BackgroundEmitter:
 
     def _start_worker(self) -> bool:
         """Start the worker thread (the lock held); False, logged once, when it cannot start."""
-        thread = threading.Thread(target=self._run, name="otel_generate-emitter", daemon=True)
+        thread = threading.Thread(target=self._run, name=WORKER_NAME, daemon=True)
         try:
             thread.start()
         except Exception as fault:  # RuntimeError: at interpreter shutdown, or no thread can be created
@@ -236,6 +258,7 @@ class BackgroundEmitter:
         return drained
 
     def _run(self) -> None:
+        name_native_thread(WORKER_NAME)
         while True:
             with self._lock:
                 while not self._jobs and not self._stopped:
