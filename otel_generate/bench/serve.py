@@ -415,9 +415,7 @@ def run(config: BenchConfig, progress: Optional[Progress] = None) -> Dict[str, A
     levels = validate(config)
     progress = progress if progress is not None else Progress()
     total = 2 * config.runs * len(levels)
-    progress.begin(
-        total, "set-up (the model, the prompts" + ("" if config.in_process else ", the OTLP sink") + ")", unit="rounds"
-    )
+    progress.begin(total, "set-up (model, prompts" + ("" if config.in_process else ", OTLP sink") + ")", unit="rounds")
     # the bench's own busy threads: the model's process and, over HTTP, the API server and the load generator
     monitor = LoadMonitor(own_threads=config.threads + (1 if config.in_process else 2), on_busy=progress.say)
     monitor.read("start")

@@ -135,6 +135,9 @@ class ManagerDriver:
             self.manager.cancel_request(request_id)
 
     def _closed(self, concurrency: int, warmup: int, seconds: Optional[float]) -> None:
+        """As :meth:`otel_generate.bench.serve_http.HttpDriver._closed`."""
+        if warmup == 0 and seconds is None:
+            return  # no warmup, no window: nothing to send
         self.marks.clear()
         self.started.clear()
         self.measuring = seconds is not None

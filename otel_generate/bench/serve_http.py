@@ -291,6 +291,8 @@ class HttpDriver:
     async def _closed(self, client, records, concurrency, warmup, seconds, marks) -> None:
         """``concurrency`` requests always in flight; the window starts once ``warmup`` have finished and
         lasts ``seconds`` (``None``: stop at the warmup); then the ones in flight are drained."""
+        if warmup == 0 and seconds is None:
+            return  # no warmup, no window: nothing to send
         started = asyncio.Event()
         state = {"done": 0, "stop": False}
         if warmup == 0:

@@ -491,3 +491,19 @@ def test_the_dry_run_says_how_many_rounds_and_servers(capsys):
     assert "(saturation, rate 0.5x, rate 20/s)" in out and "prompt 8 x batch 1, 32 new tokens" in out
     assert main(["bench", "--serve", "--in-process", "--rates", "none", "--dry-run"]) == 0
     assert "--serve (in-process, one process per round, continuous batching): 10 rounds" in capsys.readouterr().out
+
+
+def test_without_warmup_a_rate_round_sends_only_its_arrivals(streaming_server):
+    from otel_generate.bench.serve_child import ManagerDriver
+
+    driver, _snapshots = _driver(streaming_server)
+    records, start, end, _cpu, warmed = driver.window(Level("rate", None, 10.0), 3, 0, 0.1, 0.05, [-0.01, 0.02])
+    assert warmed == 0 and len(records) == 2 and [start <= r.sent < end for r in records] == [False, True]
+    manager = _Manager()
+    in_process = ManagerDriver(manager, [[1]], new_tokens=2, eos=None, snapshot=lambda d: {})
+    try:
+        records, start, end, _cpu, warmed = in_process.window("rate", 3, 0, 0.1, 0.05, [0.02])
+    finally:
+        in_process.close()
+        manager.running = False
+    assert warmed == 0 and len(records) == len(manager.added) == 1 and manager.added[0][4] is None
