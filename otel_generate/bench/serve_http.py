@@ -34,6 +34,8 @@ REQUEST_TIMEOUT_S = 300.0
 OWN_INSTRUMENTATION = "transformers_generate"
 #: Pages of a continuous-batching cache (transformers' default page size).
 PAGE_TOKENS = 256
+#: The load generator closes a connection idle this long (seconds), before the server would (uvicorn: 5 s).
+KEEPALIVE_EXPIRY_S = 2.0
 #: How long a server may take to start (load its model and answer ``/health``), seconds.
 START_TIMEOUT_S = 600.0
 
@@ -266,7 +268,9 @@ class HttpDriver:
     async def _window(self, level, concurrency, warmup, seconds, lead_in, arrivals):
         import httpx
 
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        # idle connections closed before the server's keep-alive (uvicorn: 5 s, as httpx's default) ends them:
+        # with equal timeouts a request can go out on a connection the server is closing (a ReadError)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY_S)
         timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=30.0)
         async with httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=timeout) as client:
             records: List[Record] = []
@@ -375,7 +379,7 @@ class HttpDriver:
                             record.token_times.extend([now] * (len(text) if self.one_character_tokens else 1))
             record.finished = clock()
         except (httpx.HTTPError, ValueError) as fault:
-            record.error = f"{type(fault).__name__}: {fault}"[:300]
+            record.error = f"{type(fault).__name__}: {fault or repr(fault.__cause__ or fault.__context__)}"[:300]
 
 
 async def _cancel(tasks: Sequence["asyncio.Task"]) -> None:
