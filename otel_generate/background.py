@@ -36,6 +36,9 @@ before the providers' (``atexit`` runs the last registered first), and registers
 meets a provider set after it (:meth:`BackgroundEmitter.drain_at_exit_before_providers`).
 Once stopped (``uninstrument()``), an emitter runs what is still handed to it (a request that was
 in flight) on the caller's thread, so nothing is lost.
+
+The worker thread is named :data:`WORKER_NAME` in Python and, on Linux, in the operating system
+(:func:`name_native_thread`), so that its CPU time can be told apart from outside the process.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import contextvars
 import functools
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -84,6 +88,26 @@ def drained_context() -> contextvars.Context:
 def draining_skipped() -> bool:
     """Whether a flush on this thread must not wait for the queue (see :data:`_SKIP_DRAIN`)."""
     return _SKIP_DRAIN.get()
+
+
+#: The worker thread's name, in Python and (its first 15 bytes, ``otel_generate-e``) in the operating system.
+WORKER_NAME = "otel_generate-emitter"
+#: Linux's ``prctl`` option that names the calling thread (``PR_SET_NAME``).
+_PR_SET_NAME = 15
+
+
+def name_native_thread(name: str) -> None:
+    """Name the calling thread in the operating system too, so that ``top -H``, ``ps -L`` and
+    ``/proc/<pid>/task/<tid>/comm`` tell it apart (and what CPU it used): on Linux, ``prctl(PR_SET_NAME)``
+    with the first 15 bytes of ``name``, as CPython does itself from 3.14. Elsewhere nothing; never raises."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode("utf-8")[:15]), 0, 0, 0)
+    except Exception:  # no libc symbol, a sandbox refusing the call: the name is a convenience
+        pass
 
 
 class BackgroundEmitter:
@@ -176,7 +200,7 @@ class BackgroundEmitter:
 
     def _start_worker(self) -> bool:
         """Start the worker thread (the lock held); False, logged once, when it cannot start."""
-        thread = threading.Thread(target=self._run, name="otel_generate-emitter", daemon=True)
+        thread = threading.Thread(target=self._run, name=WORKER_NAME, daemon=True)
         try:
             thread.start()
         except Exception as fault:  # RuntimeError: at interpreter shutdown, or no thread can be created
@@ -310,6 +334,7 @@ class BackgroundEmitter:
 
     def _run(self) -> None:
         _SKIP_DRAIN.set(True)  # (this thread's own context) a flush from a job never waits for the queue
+        name_native_thread(WORKER_NAME)
         while True:
             with self._lock:
                 while not self._jobs and not self._stopped:

@@ -19,8 +19,21 @@ import sys
 import tempfile
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from otel_generate.bench import continuous, instructions, runner
-from otel_generate.bench.config import DEVICES, DTYPES, EXPORTERS, MODEL_EOS, SAMPLERS, BenchConfig, BenchUsageError
+from otel_generate.bench import continuous, instructions, runner, serve
+from otel_generate.bench.config import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_RATES,
+    DEFAULT_SECONDS,
+    DEFAULT_SERVE_NEW_TOKENS,
+    DEFAULT_SERVE_PROMPT_TOKENS,
+    DEVICES,
+    DTYPES,
+    EXPORTERS,
+    MODEL_EOS,
+    SAMPLERS,
+    BenchConfig,
+    BenchUsageError,
+)
 from otel_generate.bench.instructions import CONFIGURATIONS, DEFAULT_PAIRS
 from otel_generate.bench.instructions import DEFAULT_NEW_TOKENS as INSTRUCTIONS_NEW_TOKENS
 from otel_generate.bench.monitor import LOAD_PER_CORE_LIMIT
@@ -67,13 +80,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="random-weight model of this transformers config.json (a file or a directory "
         "holding one), initialised on the device; nothing is downloaded",
     )
-    parser.add_argument("--prompt-tokens", type=int, default=4, metavar="N", help="prompt length in tokens (default 4)")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"prompt length in tokens (default 4; with --serve {DEFAULT_SERVE_PROMPT_TOKENS})",
+    )
     parser.add_argument(
         "--new-tokens",
         type=int,
         default=None,
         metavar="N",
-        help="max_new_tokens (default 8; with --instructions 128)",
+        help=f"max_new_tokens (default 8; with --instructions 128; with --serve {DEFAULT_SERVE_NEW_TOKENS})",
     )
     parser.add_argument(
         "--batch-size", type=int, default=1, metavar="N", help="prompts per generate() call (default 1)"
@@ -132,7 +151,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--exporter",
         choices=EXPORTERS,
         default="discard",
-        help="--compare's (and --continuous-batching's) exporter: discard (count spans and drop them, default) "
+        help="--compare's (and --continuous-batching's, --serve --in-process's) exporter: discard (count spans and "
+        "drop them, default) "
         "or otlp-encode "
         "(encode every span batch and metric collection as OTLP protobuf, as a real OTLP "
         "exporter does, count the bytes and drop them)",
@@ -174,7 +194,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="time transformers' continuous batching instead: waves of --requests requests on one "
         "persistent manager, plain and instrumented interleaved A B A B (--runs pairs); "
-        "throughput and the added cost per batch step (transformers 5.17 or newer)",
+        "throughput and the added cost per batch step (transformers 5.17 or newer); with --serve: the server "
+        "batches continuously",
     )
     parser.add_argument(
         "--instructions",
@@ -204,6 +225,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="--continuous-batching: requests per run, submitted at once (default 16)",
     )
+    parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="time a server under load instead: transformers serve (with --continuous-batching: continuous "
+        "batching) under opentelemetry-instrument, streaming requests over HTTP, plain and instrumented rounds "
+        "interleaved (--runs pairs per offered load, a fresh server each round): tokens/s, requests/s, time to "
+        "first token and inter-token latency (p50, p99), requests dropped by the emitter, the emitter thread's CPU",
+    )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="--serve: the same load into one ContinuousBatchingManager in a process of its own per round, no "
+        "HTTP (less noise); the instrumented side's exporter is --exporter",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"--serve: requests always in flight at saturation, and in a warmup wave (default {DEFAULT_CONCURRENCY})",
+    )
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"--serve: the measured window of each round, seconds (default {DEFAULT_SECONDS:g})",
+    )
+    parser.add_argument(
+        "--rates",
+        metavar="LIST",
+        default=None,
+        help="--serve: the Poisson rates offered after saturation, comma-separated: fractions of the first plain "
+        f"round's saturation requests/s (0.7), requests per second (20/s), or none (default {DEFAULT_RATES})",
+    )
     shown = parser.add_mutually_exclusive_group()
     shown.add_argument(
         "--progress",
@@ -229,10 +285,12 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> Benc
         device=args.device,
         model=args.model,
         model_config=args.model_config,
-        prompt_tokens=args.prompt_tokens,
+        prompt_tokens=args.prompt_tokens
+        if args.prompt_tokens is not None
+        else (DEFAULT_SERVE_PROMPT_TOKENS if args.serve else 4),
         new_tokens=args.new_tokens
         if args.new_tokens is not None
-        else (INSTRUCTIONS_NEW_TOKENS if args.instructions else 8),
+        else (INSTRUCTIONS_NEW_TOKENS if args.instructions else DEFAULT_SERVE_NEW_TOKENS if args.serve else 8),
         batch_size=args.batch_size,
         warmup=args.warmup,
         runs=args.runs,
@@ -254,6 +312,11 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> Benc
         instructions=args.instructions,
         pairs=args.pairs if args.pairs is not None else DEFAULT_PAIRS,
         configurations=args.configurations,
+        serve=args.serve,
+        in_process=args.in_process,
+        concurrency=args.concurrency,
+        seconds=args.seconds,
+        rates=args.rates,
         argv=list(argv),
     )
 
@@ -271,6 +334,8 @@ def summary_text(result: Dict[str, Any], show_per_run: bool = False) -> str:
     ``--compare``), :func:`otel_generate.bench.continuous.summary_text`,
     :func:`otel_generate.bench.instructions.summary_text`.
     """
+    if result.get("mode") == "serve":
+        return serve.summary_text(result)
     if result.get("mode") == "instructions":
         return instructions.summary_text(result)
     if result.get("mode") == "continuous_batching":
@@ -287,6 +352,8 @@ def run(config: BenchConfig, progress: Optional[Progress] = None) -> Dict[str, A
     Raises:
         BenchUsageError: invalid input, before anything runs.
     """
+    if config.serve:
+        return serve.run(config, progress=progress)
     if config.continuous_batching:
         return continuous.run(config, progress=progress)
     if config.instructions:
@@ -311,6 +378,8 @@ def plan_text(config: BenchConfig) -> str:
             f"all threads apart), {config.pairs} pairs of a plain and an instrumented call each after "
             f"{config.warmup} warmup pairs"
         )
+    elif config.serve:
+        what = serve.plan_text(config)
     elif config.continuous_batching:
         what = (
             f"--continuous-batching: {config.warmup} warmup and {config.runs} measured pairs of waves of "
@@ -322,7 +391,7 @@ def plan_text(config: BenchConfig) -> str:
             + (f", then --compare: 2 x ({config.warmup} + {config.runs}) pairs" if config.compare else "")
             + f" ({runner.runs_in_all(config)} generate() calls)"
         )
-    model = config.model or config.model_config or "the built tiny GPT-2"
+    model = config.model or config.model_config or ("the built tiny Llama" if config.serve else "the built tiny GPT-2")
     return (
         f"otel-generate bench --dry-run: the options are valid; nothing was run\n"
         f"  {what}\n"

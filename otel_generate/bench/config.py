@@ -26,6 +26,13 @@ MODEL_EOS = "model"
 SAMPLERS = ("always_on", "always_off")
 #: Default ``--requests`` of ``--continuous-batching``.
 DEFAULT_REQUESTS = 16
+#: ``--serve``'s defaults: requests in flight at saturation, seconds per window, offered rates.
+DEFAULT_CONCURRENCY = 16
+DEFAULT_SECONDS = 15.0
+DEFAULT_RATES = "0.5,0.7"
+#: ``--serve``'s default prompt and new tokens (``--prompt-tokens``, ``--new-tokens`` not given).
+DEFAULT_SERVE_PROMPT_TOKENS = 8
+DEFAULT_SERVE_NEW_TOKENS = 32
 
 
 class BenchUsageError(ValueError):
@@ -62,6 +69,11 @@ class BenchConfig:
     instructions: bool = False  # count instructions under callgrind (otel_generate.bench.instructions)
     pairs: int = 10  # --instructions: pairs of a plain and an instrumented call counted per configuration
     configurations: Optional[str] = None  # --instructions: comma-separated names (None: all)
+    serve: bool = False  # a server under load (otel_generate.bench.serve)
+    in_process: bool = False  # --serve: one ContinuousBatchingManager in a process per round, no HTTP
+    concurrency: Optional[int] = None  # --serve: requests in flight at saturation (None: 16)
+    seconds: Optional[float] = None  # --serve: the measured window of each round (None: 15)
+    rates: Optional[str] = None  # --serve: the offered rates after saturation (None: "0.5,0.7")
     argv: List[str] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -102,7 +114,8 @@ class BenchConfig:
             raise BenchUsageError(f"--exporter must be one of {', '.join(EXPORTERS)}, got {self.exporter!r}")
         if self.max_step_spans is not None and self.max_step_spans < 0:
             raise BenchUsageError(f"--max-step-spans must be 0 or more, got {self.max_step_spans}")
-        if self.continuous_batching:
+        self._validate_serve()
+        if self.continuous_batching and not self.serve:
             if self.requests is None:
                 self.requests = DEFAULT_REQUESTS
             if self.requests < 1:
@@ -120,7 +133,7 @@ class BenchConfig:
             )
         elif self.requests is not None:
             raise BenchUsageError("--requests applies to --continuous-batching; add --continuous-batching")
-        if not self.compare and not self.continuous_batching and not self.instructions:
+        if not self.compare and not self.continuous_batching and not self.instructions and not self.serve:
             if self.exporter != "discard":
                 raise BenchUsageError("--exporter applies to the instrumented runs of --compare; add --compare")
             if self.max_step_spans is not None:
@@ -171,6 +184,45 @@ class BenchConfig:
             require_module(
                 "opentelemetry.exporter.otlp.proto.common",
                 "--exporter otlp-encode needs opentelemetry-exporter-otlp-proto-common (the package's [bench] extra)",
+            )
+
+    def _validate_serve(self) -> None:
+        """``--serve``'s options, and its options without it (see :mod:`otel_generate.bench.serve`)."""
+        if not self.serve:
+            for option, given in (
+                ("--in-process", self.in_process),
+                ("--concurrency", self.concurrency is not None),
+                ("--seconds", self.seconds is not None),
+                ("--rates", self.rates is not None),
+            ):
+                if given:
+                    raise BenchUsageError(f"{option} applies to --serve; add --serve")
+            return
+        if self.compare or self.instructions:
+            raise BenchUsageError(
+                f"--serve is a mode of its own; drop {'--compare' if self.compare else '--instructions'}"
+            )
+        if self.batch_size != 1:
+            raise BenchUsageError(
+                "--batch-size does not apply to --serve (each request is one prompt); use --concurrency"
+            )
+        if self.requests is not None:
+            raise BenchUsageError(
+                "--requests applies to --continuous-batching's waves; --serve keeps --concurrency requests in flight"
+            )
+        if self.concurrency is None:
+            self.concurrency = DEFAULT_CONCURRENCY
+        if self.concurrency < 1:
+            raise BenchUsageError(f"--concurrency must be at least 1, got {self.concurrency}")
+        if self.seconds is None:
+            self.seconds = DEFAULT_SECONDS
+        if not (self.seconds > 0 and self.seconds < float("inf")):
+            raise BenchUsageError(f"--seconds must be above 0, got {self.seconds}")
+        if self.rates is None:
+            self.rates = DEFAULT_RATES
+        if not self.in_process and self.exporter != "discard":
+            raise BenchUsageError(
+                "--exporter applies to --serve --in-process; over HTTP the servers export OTLP/HTTP to a local sink"
             )
 
 

@@ -81,8 +81,10 @@ def make_exporters(kind: str) -> Tuple[Any, Any]:
         def __init__(self) -> None:
             super().__init__()  # cumulative temporality, as the in-memory reader of ``discard`` collects
             self.bytes = 0
+            self.last: Any = None  # the last collection, to read a counter back (--serve --in-process)
 
         def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> Any:
+            self.last = metrics_data
             self.bytes += len(encode_metrics_request(metrics_data).SerializeToString())
             return MetricExportResult.SUCCESS
 

@@ -7,6 +7,7 @@ loaded with ``from_pretrained`` from a local directory only (``local_files_only=
 from __future__ import annotations
 
 import os
+import string
 from typing import Any, Optional, Tuple
 
 #: Vocabulary of the built models; token ids 0..VOCAB_SIZE-1.
@@ -72,6 +73,43 @@ def build_model(architecture: str = "gpt2", seed: int = 0, max_positions: int = 
     model.generation_config.pad_token_id = PAD_TOKEN_ID
     model.generation_config.eos_token_id = EOS_TOKEN_ID
     return model
+
+
+#: The tokenizer's first ids: the visible printable ASCII characters (no whitespace), one token each.
+TOKEN_CHARACTERS = tuple(c for c in string.printable if not c.isspace())
+
+
+def token_character(token_id: int) -> str:
+    """The one character token ``token_id`` stands for in :func:`build_tokenizer`'s vocabulary: the visible
+    printable ASCII characters first, then code points from U+0100 up, past the surrogates and U+FFFD."""
+    if token_id < len(TOKEN_CHARACTERS):
+        return TOKEN_CHARACTERS[token_id]
+    point = 0x100 + token_id - len(TOKEN_CHARACTERS)
+    if point >= 0xD800:  # the surrogates are no characters
+        point += 0xE000 - 0xD800
+    if point >= 0xFFFD:  # the replacement character would read as an incomplete one
+        point += 1
+    return chr(point)
+
+
+def build_tokenizer(vocab_size: int) -> Any:
+    """A ``PreTrainedTokenizerFast`` for a random-weight model of ``vocab_size`` ids, built locally: every id
+    is one character of its own (:func:`token_character`; a prompt of N letters is N tokens), and no token
+    is special. So every id a model generates decodes to exactly one character, and a streamed text of N
+    characters is N tokens, however a server groups them into chunks.
+
+    Raises:
+        ValueError: ``vocab_size`` below 62 (the letters and digits a prompt is made of).
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 62:
+        raise ValueError(f"the tokenizer needs a vocabulary of at least 62 ids, got {vocab_size}")
+    vocab = {token_character(i): i for i in range(vocab_size)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
 
 
 def dtype_keyword() -> str:

@@ -46,6 +46,9 @@ def plot_latencies(result: Dict[str, Any], path: str, fmt: Optional[str] = None)
     fmt = fmt or plot_format(path)
     if fmt not in PLOT_FORMATS.values():
         raise ValueError(f"unsupported plot format for {path!r}; use one of .{', .'.join(PLOT_FORMATS)}")
+    if result.get("mode") == "serve":
+        plot_serving(result, path, fmt)
+        return
     from matplotlib.figure import Figure
 
     rows = per_token_index(result["samples"])
@@ -86,5 +89,75 @@ def plot_latencies(result: Dict[str, Any], path: str, fmt: Optional[str] = None)
     axes.grid(True, alpha=0.3)
     if rows:
         axes.legend(fontsize=8, loc="upper right")
+    figure.tight_layout()
+    figure.savefig(path, format=fmt)
+
+
+#: ``--serve``'s panels: (title, y label, ((figure, line label), ...)).
+SERVING_PANELS = (
+    ("throughput", "tokens/s", (("tokens_per_s", ""),)),
+    ("time to first token", "ms", (("ttft_p50_ms", "p50"), ("ttft_p99_ms", "p99"))),
+    ("inter-token latency", "ms", (("itl_p50_ms", "p50"), ("itl_p99_ms", "p99"))),
+)
+SIDE_STYLES = {"plain": ("tab:blue", "o"), "instrumented": ("tab:orange", "s")}
+
+
+def plot_serving(result: Dict[str, Any], path: str, fmt: str) -> None:
+    """``--serve``'s plot: per offered load (x), plain and instrumented side by side, the median over the
+    rounds with its interquartile range as an error bar, of throughput, time to first token (p50, p99) and
+    inter-token latency (p50, p99); the median paired ratio instrumented / plain under each load."""
+    from matplotlib.figure import Figure
+
+    levels = result["levels"]
+    labels = [lv["label"] + (f"\n{lv['offered_rps']:.1f}/s" if lv.get("offered_rps") else "") for lv in levels]
+    figure = Figure(figsize=(13, 4.5), dpi=100)
+    for column, (title, unit, lines) in enumerate(SERVING_PANELS):
+        axes = figure.add_subplot(1, len(SERVING_PANELS), column + 1)
+        for offset_line, (name, line) in enumerate(lines):
+            for side_index, side in enumerate(("plain", "instrumented")):
+                color, marker = SIDE_STYLES[side]
+                xs, ys, low, high = [], [], [], []
+                for x, level in enumerate(levels):
+                    values = level[side]
+                    median, iqr = values.get(f"median_{name}"), values.get(f"iqr_{name}")
+                    if median is None:
+                        continue
+                    xs.append(x + (side_index - 0.5) * 0.2 + offset_line * 0.05)
+                    ys.append(median)
+                    low.append(median - iqr[0])
+                    high.append(iqr[1] - median)
+                if xs:
+                    axes.errorbar(
+                        xs,
+                        ys,
+                        yerr=[low, high],
+                        linestyle="none" if not line else ("-" if line == "p99" else ":"),
+                        marker=marker,
+                        color=color,
+                        alpha=1.0 if line != "p50" else 0.6,
+                        capsize=3,
+                        label=f"{side} {line}".strip(),
+                    )
+        if column == 0:
+            for x, level in enumerate(levels):
+                ratio = level["ratios"].get("median_tokens_per_s")
+                if ratio is not None:
+                    axes.annotate(
+                        f"{ratio:.2f}x", (x, 0), xytext=(0, 4), textcoords="offset points", ha="center", fontsize=8
+                    )
+        axes.set_xticks(range(len(levels)))
+        axes.set_xticklabels(labels, fontsize=8)
+        axes.set_title(title, fontsize=10)
+        axes.set_ylabel(unit)
+        axes.set_ylim(bottom=0)
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=7, loc="best")
+    variant = "in-process" if result.get("variant") == "in_process" else "HTTP"
+    figure.suptitle(
+        f"--serve ({variant}, {result.get('batching')} batching): {result.get('model', '')}, {result['device']}, "
+        f"{result['concurrency']} in flight at saturation\nmedian and IQR of {result['runs']} pair(s) of rounds; "
+        "under the throughput: the median ratio instrumented / plain",
+        fontsize=9,
+    )
     figure.tight_layout()
     figure.savefig(path, format=fmt)

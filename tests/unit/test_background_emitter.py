@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -354,3 +355,20 @@ def test_force_flush_of_a_provider_with_shutdown_only_is_quiet(caplog):
         _lifecycle.disable()
     assert not provider.stopped
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names are read from /proc")
+def test_the_worker_is_named_in_the_operating_system_so_its_cpu_time_can_be_read_from_outside():
+    from otel_generate.background import WORKER_NAME, BackgroundEmitter
+
+    emitter = BackgroundEmitter()
+    native = []
+    assert emitter.submit(lambda: native.append(threading.get_native_id()))
+    assert emitter.drain(5.0)
+    (tid,) = native
+    assert tid != threading.get_native_id()
+    with open(f"/proc/self/task/{tid}/comm", encoding="utf-8") as handle:
+        assert handle.read().strip() == WORKER_NAME.encode()[:15].decode() == "otel_generate-e"
+    with open(f"/proc/self/task/{threading.get_native_id()}/comm", encoding="utf-8") as handle:
+        assert handle.read().strip() != "otel_generate-e"  # only the worker was renamed
+    emitter.stop(5.0)
