@@ -102,8 +102,8 @@ class Options:
 
 
 def spell(value: Any) -> str:
-    """``value`` as the README and an environment variable write it: ``true``/``false`` for a bool,
-    a number without a trailing ``.0`` (``3``, ``0.05``), anything else as it is."""
+    """``value`` as docs/configuration.md and an environment variable write it: ``true``/``false`` for a
+    bool, a number without a trailing ``.0`` (``3``, ``0.05``), anything else as it is."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):

@@ -835,7 +835,7 @@ def test_unparsable_environment_value_warns_once_and_uses_the_default(
     warnings = warnings_from_package(caplog)
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     message = warnings[0].getMessage()
-    spelled = {True: "true", False: "false"}.get(default, str(default))  # as the README writes it
+    spelled = {True: "true", False: "false"}.get(default, str(default))  # as docs/configuration.md writes it
     assert variable in message and repr(value) in message and message.endswith(f"using the default {spelled}")
     (telemetry,) = captured_telemetry
     assert getattr(telemetry, option) == default

@@ -1,5 +1,6 @@
 """The README and docs/: every relative link leads somewhere, and CI runs the README's test commands (the
-README's minimal SDK example is run by tests/e2e/test_readme_example.py)."""
+minimal SDK example of docs/configuration.md is run by tests/e2e/test_sdk_example.py; the README's length
+and links are tests/unit/test_readme.py's)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+#: the page whose one Python block is the minimal SDK example
+SDK_EXAMPLE_PAGE = ROOT / "docs" / "configuration.md"
 
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
 
@@ -21,8 +24,10 @@ def code_blocks(text: str, language: str) -> list[str]:
     return [body for lang, body in _FENCE.findall(text) if lang == language]
 
 
-def test_readme_has_exactly_one_python_example():
-    assert len(code_blocks(README.read_text(), "python")) == 1
+def test_the_configuration_page_has_one_python_block_the_minimal_sdk_example():
+    (code,) = code_blocks(SDK_EXAMPLE_PAGE.read_text(), "python")
+    assert "GenerateInstrumentor().instrument(tracer_provider=provider)" in code
+    assert "trace.set_tracer_provider(provider)" in code
 
 
 # =============================================================================================
@@ -39,8 +44,17 @@ def _slug(heading: str) -> str:
 
 
 def _anchors(path: pathlib.Path) -> set[str]:
+    """The anchors of the headings of ``path``, as GitHub makes them: a repeated slug gets ``-1``, ``-2``, ..."""
     text = _FENCE.sub("", path.read_text())
-    return {_slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", text, re.M)}
+    anchors: set[str] = set()
+    for m in re.finditer(r"^#{1,6} (.+?)(?: +#+)? *$", text, re.M):
+        slug = base = _slug(m.group(1))
+        n = 0
+        while slug in anchors:
+            n += 1
+            slug = f"{base}-{n}"
+        anchors.add(slug)
+    return anchors
 
 
 def _links(path: pathlib.Path) -> list[str]:
@@ -54,9 +68,13 @@ def test_links_are_found():
     assert "images/serve-trace.png" in _links(ROOT / "docs" / "serving.md")
 
 
-def test_slug_matches_githubs_rule():
+def test_slug_matches_githubs_rule(tmp_path):
     assert _slug("Step-span cap (`max_step_spans`)") == "step-span-cap-max_step_spans"
     assert _slug("Correlating with your web framework's spans") == "correlating-with-your-web-frameworks-spans"
+    assert _slug("Without Docker: `collector/local.sh`") == "without-docker-collectorlocalsh"
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n## Usage\n\n```\n# not a heading\n```\n\n### Usage ##\n\n## Usage\n")
+    assert _anchors(page) == {"title", "usage", "usage-1", "usage-2"}
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -78,7 +96,7 @@ def test_readme_links_every_docs_page():
 
 
 def test_ci_runs_the_readmes_test_command():
-    """The README's Quick start ends in the full suite's command, its "Running the tests" gives the three
+    """The README's Quick start ends in the full suite's command, the block after it gives the three
     commands (the unit loop, everything but slow, the full suite), and .ci/run runs the full suite."""
     blocks = [b for b in code_blocks(README.read_text(), "bash") if "pytest" in b]
     quick_start, running = blocks

@@ -92,7 +92,7 @@ def test_explain_lists_every_option_but_the_providers_and_names_an_invalid_value
         ),
     ],
 )
-def test_the_warning_spells_the_default_as_the_readme_does(
+def test_the_warning_spells_the_default_as_the_configuration_page_does(
     variable, value, message, no_package_env, monkeypatch, caplog, tracer_provider
 ):
     monkeypatch.setenv(variable, value)

@@ -1,4 +1,4 @@
-"""The README's minimal SDK example, run as written in a subprocess, prints its span tree."""
+"""The minimal SDK example of docs/configuration.md, run as written in a subprocess, prints its span tree."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import sys
 
 from otel_generate import attributes as A
 from tests.helpers import console_spans
-from tests.unit.test_docs import README, code_blocks
+from tests.unit.test_docs import SDK_EXAMPLE_PAGE, code_blocks
 
 
-def test_readme_minimal_sdk_example_prints_its_span_tree(tmp_path):
-    (code,) = code_blocks(README.read_text(), "python")
+def test_the_minimal_sdk_example_prints_its_span_tree(tmp_path):
+    (code,) = code_blocks(SDK_EXAMPLE_PAGE.read_text(), "python")
     script = tmp_path / "example.py"
     script.write_text(code)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}  # as a new user's shell
