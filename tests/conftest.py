@@ -40,6 +40,7 @@ def span_exporter():
 def tracer_provider(span_exporter):
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(span_exporter))
+    span_exporter.provider = provider  # its reads flush the provider first, as an application's do
     return provider
 
 
@@ -50,7 +51,9 @@ def metric_reader():
 
 @pytest.fixture
 def meter_provider(metric_reader):
-    return MeterProvider(metric_readers=[metric_reader])
+    provider = MeterProvider(metric_readers=[metric_reader])
+    metric_reader.provider = provider  # its reads flush the provider first, as an application's do
+    return provider
 
 
 @pytest.fixture

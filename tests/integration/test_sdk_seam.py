@@ -36,7 +36,9 @@ import otel_generate
 from otel_generate import attributes as A
 from tests.helpers import prompt
 
-MODES = pytest.mark.parametrize("background", [True, False], ids=["background", "foreground"])
+#: a case about the background emitter's queue: background emission only (the test's ``emission`` mode,
+#: tests/integration/conftest.py, runs every other case in both modes)
+BACKGROUND_ONLY = pytest.mark.parametrize("emission", ["background"])
 SCOPE = "otel_generate"
 #: the application's own context key, read by its processor and its sampler
 TENANT_KEY = otel_context.create_key("app.tenant")
@@ -112,12 +114,11 @@ def assert_in_callers_context(spans, tenant="acme", session="s-42"):
 # --- 1. the caller's context --------------------------------------------------------------------------
 
 
-@MODES
-def test_every_span_of_a_request_is_built_in_the_callers_context(background, instrument, gpt2):
+def test_every_span_of_a_request_is_built_in_the_callers_context(instrument, gpt2):
     """``BaggageSpanProcessor`` with two entries, and the application's own processor and sampler
     reading a context value: the request span, both inner-call spans and every step span."""
     provider, exporter = context_provider()
-    instrument(tracer_provider=provider, background_emission=background)
+    instrument(tracer_provider=provider)
     model = two_calls_model(gpt2)
     ids, mask = prompt(length=4, seed=5)
     token = otel_context.attach(callers_context())
@@ -136,8 +137,7 @@ def test_every_span_of_a_request_is_built_in_the_callers_context(background, ins
     assert_in_callers_context(spans)
 
 
-@MODES
-def test_a_request_that_raised_is_built_in_the_callers_context(background, instrument, gpt2):
+def test_a_request_that_raised_is_built_in_the_callers_context(instrument, gpt2):
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     class BreaksAtThirdStep(StoppingCriteria):
@@ -150,7 +150,7 @@ def test_a_request_that_raised_is_built_in_the_callers_context(background, instr
             return torch.zeros((input_ids.shape[0],), dtype=torch.bool)
 
     provider, exporter = context_provider()
-    instrument(tracer_provider=provider, background_emission=background)
+    instrument(tracer_provider=provider)
     ids, mask = prompt(length=4, seed=6)
     token = otel_context.attach(callers_context("globex", "s-7"))
     try:
@@ -280,6 +280,7 @@ def backlog(model, gate, telemetry, requests):
     return tokens
 
 
+@BACKGROUND_ONLY
 def test_another_provider_of_the_same_class_flushes_and_shuts_down_on_time(instrument, gpt2, caplog):
     """Two tracer and two meter providers, one pair given to ``instrument()`` with a backlog of 60
     requests: the other pair (another library's pipeline) flushes and shuts down exactly as without
@@ -337,6 +338,7 @@ class SlowProcessor(SpanProcessor):
             time.sleep(0.001)
 
 
+@BACKGROUND_ONLY
 @pytest.mark.parametrize("call", ["force_flush", "shutdown"])
 def test_a_meter_provider_flush_with_a_backlog_keeps_the_sdks_contract(call, instrument, gpt2):
     """A backlog of 55 requests behind a 1 ms-per-span processor: the meter provider's
@@ -375,6 +377,7 @@ def test_a_meter_provider_flush_with_a_backlog_keeps_the_sdks_contract(call, ins
     assert len(requests) == 56 and len(steps) == sum(tokens)
 
 
+@BACKGROUND_ONLY
 def test_a_tracer_provider_shutdown_waits_for_the_emitter_at_most_its_bound(instrument, gpt2, monkeypatch, caplog):
     from otel_generate import background
 
@@ -416,9 +419,8 @@ def _event_pipeline():
     return provider, exporter
 
 
-@MODES
 @pytest.mark.parametrize("flush", ["logger provider", "otel_generate.force_flush", "logger provider shutdown"])
-def test_the_content_event_is_out_after_each_flush(flush, background, instrument, gpt2):
+def test_the_content_event_is_out_after_each_flush(flush, instrument, gpt2):
     logger_provider, events = _event_pipeline()
     tracer_provider = TracerProvider()
     instrument(
@@ -426,7 +428,6 @@ def test_the_content_event_is_out_after_each_flush(flush, background, instrument
         meter_provider=MeterProvider(),
         logger_provider=logger_provider,
         capture_message_content="EVENT_ONLY",
-        background_emission=background,
     )
     ids, mask = prompt(length=4, seed=10)
     out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None)
@@ -445,10 +446,7 @@ def test_the_content_event_is_out_after_each_flush(flush, background, instrument
 # --- 5. a flush from the emitter's own thread -----------------------------------------------------------
 
 
-@MODES
-def test_a_flush_from_a_span_processor_returns_at_once_and_a_request_made_there_is_emitted(
-    background, instrument, gpt2
-):
+def test_a_flush_from_a_span_processor_returns_at_once_and_a_request_made_there_is_emitted(instrument, gpt2):
     """A processor whose ``on_end`` flushes (``otel_generate.force_flush()``, the provider's own) and,
     once, runs ``generate()``: with background emission that is the emitter's thread. The flushes
     return within 100 ms; the request made there is emitted like any other."""
@@ -471,7 +469,7 @@ def test_a_flush_from_a_span_processor_returns_at_once_and_a_request_made_there_
 
     provider.add_span_processor(FlushesOnEnd())
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    instrument(tracer_provider=provider, meter_provider=MeterProvider(), background_emission=background)
+    instrument(tracer_provider=provider, meter_provider=MeterProvider())
     ids, mask = prompt(length=4, seed=11)
     out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=None)
     assert provider.force_flush()
