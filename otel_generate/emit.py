@@ -255,7 +255,7 @@ class Emission:
                 summary = self._derive()
                 if instruments and self.request.metrics and summary is not None:
                     try:  # every request, also one whose attributes faulted
-                        _record_metrics(instruments, self.span, self.request, summary, self.context)
+                        _record_metrics(instruments, self.span, self.request, summary, self.context, self.yield_every)
                     except Exception as fault:
                         log_fault_once(Fault.METRICS, fault)
             elif signal == "logs":
@@ -569,7 +569,12 @@ def _metric_attributes(model: str, error_type: Optional[str]) -> tuple:
 
 
 def _record_metrics(
-    instruments: Dict[str, Any], span: Any, request: Request, summary: Summary, base_context: Any = None
+    instruments: Dict[str, Any],
+    span: Any,
+    request: Request,
+    summary: Summary,
+    base_context: Any = None,
+    yield_every: int = 0,
 ) -> None:
     """The GenAI histograms and the inter-token latency histogram of one request, from its
     ``summary``, through the public ``Histogram.record(value, attributes, context=...)``.
@@ -577,7 +582,8 @@ def _record_metrics(
     The context handed to ``record()`` is the request's ``base_context`` (the caller's) holding the
     request span when it is sampled, so exemplars point at it; an unsampled request's measurements
     are recorded under no span at all, so no exemplar points at a trace that was not kept. Nothing
-    is attached to the thread's context.
+    is attached to the thread's context. ``yield_every``: on a background thread, yield the
+    interpreter lock after every this many inter-token values (0: never).
     """
     error = summary.error_type is not None
     base, input_usage, output_usage = _metric_attributes(request.model, summary.error_type)
@@ -606,15 +612,16 @@ def _record_metrics(
         if inter_token is not None:
             record = inter_token.record
             values = summary.inter_token_latencies_s  # one value per decode step, as vLLM records it
-            if exemplar_span is trace.INVALID_SPAN or len(values) < 2:
-                for value in values:
-                    record(value, base, context=context)
-            else:
+            offered = None  # the positions recorded with the request span in their context (None: all)
+            plain = context
+            if exemplar_span is not trace.INVALID_SPAN and len(values) > 1:
                 # an exemplar-offering context only for the values that can become exemplars
                 offered = _last_in_each_bucket(values, A.BUCKETS_INTER_TOKEN_LATENCY_S)
                 plain = trace.set_span_in_context(trace.INVALID_SPAN, base_context)
-                for index, value in enumerate(values):
-                    record(value, base, context=context if index in offered else plain)
+            for index, value in enumerate(values):
+                record(value, base, context=context if offered is None or index in offered else plain)
+                if yield_every and index % yield_every == yield_every - 1:
+                    time.sleep(0)  # a background emitter lets the producer run
 
 
 def _last_in_each_bucket(values: Sequence[float], boundaries: Sequence[float]) -> set:

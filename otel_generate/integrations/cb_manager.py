@@ -199,6 +199,7 @@ class ManagerState:
         self.wait_for_events()
         for record, request in self.process():  # (on the emitter's thread: built at once)
             emit.hand_over(self.telemetry, record.span, request, record.profilers, context=record.context)
+            time.sleep(0)  # yield the interpreter lock to the scheduler between requests
 
     def request_of(self, record: CBRecord, outcome: Outcome) -> Request:
         return cb_derive.request_of(record, outcome, self.model_name, self.device)
