@@ -511,3 +511,58 @@ def test_a_meter_provider_that_gives_no_op_meters_is_not_timed_for(instrument, g
     with suppress_instrumentation():
         expected = gpt2.generate(ids, attention_mask=mask, max_new_tokens=32, eos_token_id=None)
     assert torch.equal(out, expected)
+
+
+def test_continuous_batching_requests_each_carry_their_submitters_context(instrument, llama):
+    """Two threads submit to one ``ContinuousBatchingManager`` under different baggage: each
+    request's span and every one of its step spans (built on the emitter's thread from the
+    scheduler's logs) carry its own submitter's baggage and context value, never the other's."""
+    capi = pytest.importorskip(
+        "transformers.generation.continuous_batching.continuous_api",
+        reason="this transformers has no continuous batching",
+    )
+    from otel_generate.instrumentor import missing_hooks
+
+    if missing_hooks(capi):
+        pytest.skip(f"continuous batching without {missing_hooks(capi)}: not instrumented")
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    provider, exporter = context_provider()
+    instrument(tracer_provider=provider)
+    config = GenerationConfig(max_new_tokens=5, eos_token_id=None, do_sample=False)
+    cb = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64, page_size=16)
+    manager = llama.init_continuous_batching(generation_config=config, continuous_batching_config=cb)
+    ids, errors = {}, []
+    barrier = threading.Barrier(2)
+
+    def submitter(tenant, prompt):
+        token = otel_context.attach(callers_context(tenant, f"session-{tenant}"))
+        try:
+            barrier.wait(timeout=30)
+            request_id = manager.add_request(prompt, max_new_tokens=5)
+            for output in manager.request_id_iter(request_id):
+                if output.is_finished():
+                    ids[tenant] = (request_id, len(output.generated_tokens))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        finally:
+            otel_context.detach(token)
+
+    manager.start()
+    try:
+        threads = [threading.Thread(target=submitter, args=args) for args in (("acme", [5, 6, 7]), ("globex", [9, 8]))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        manager.stop(block=True, timeout=30)
+        llama.destroy_cached_continuous_batching_manager()
+    assert not errors and set(ids) == {"acme", "globex"}
+    assert provider.force_flush()
+    spans = ours(exporter.get_finished_spans())
+    for tenant, (request_id, generated) in ids.items():
+        (request,) = [s for s in spans if s.attributes.get(A.GEN_AI_RESPONSE_ID) == request_id]
+        steps = [s for s in spans if s.parent is not None and s.parent.span_id == request.context.span_id]
+        assert generated == 5 and len(steps) == generated
+        assert_in_callers_context([request, *steps], tenant, f"session-{tenant}")
