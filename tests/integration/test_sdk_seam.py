@@ -180,13 +180,13 @@ def test_every_metric_and_the_event_are_recorded_in_the_callers_context(instrume
     contexts = {"metrics": [], "event": []}
     real_metrics, real_event = emit_module._record_metrics, emit_module._emit_details_event
 
-    def metrics(instruments, span, request, summary, base_context=None):
+    def metrics(instruments, span, request, summary, base_context=None, *rest):
         contexts["metrics"].append((base_context, span))
-        return real_metrics(instruments, span, request, summary, base_context)
+        return real_metrics(instruments, span, request, summary, base_context, *rest)
 
-    def event(logger, span, request, summary, context=None):
+    def event(logger, span, request, summary, context=None, *rest):
         contexts["event"].append((context, span))
-        return real_event(logger, span, request, summary, context)
+        return real_event(logger, span, request, summary, context, *rest)
 
     monkeypatch.setattr(emit_module, "_record_metrics", metrics)
     monkeypatch.setattr(emit_module, "_emit_details_event", event)
