@@ -257,6 +257,38 @@ def test_a_wrapped_flush_splits_its_timeout_and_reports_an_unfinished_drain(capl
     assert flush(Provider(), timeout_millis=5000) is True and given[2] > 4000
 
 
+@pytest.mark.parametrize("signal", ["traces", "metrics"])
+def test_a_wrapped_flush_called_without_a_timeout_keeps_to_the_providers_default(signal):
+    """``provider.force_flush()`` with no argument is bounded by the SDK's default ``timeout_millis``
+    (10 s for ``MeterProvider.force_flush``, 30 s for ``shutdown``): the drain takes at most its share
+    of that default, not a bound of its own on top of it. A job without parts (continuous
+    batching's) is waited for even by a meter flush."""
+    from otel_generate.background import BackgroundEmitter, make_draining
+
+    emitter = BackgroundEmitter()
+    release = _blocked(emitter)
+    given = []
+
+    class Provider:
+        def force_flush(self, timeout_millis=300):
+            given.append(timeout_millis)
+            return True
+
+    flush = make_draining(Provider.force_flush, emitter, signal, lambda provider: True)
+    timer = threading.Timer(2.0, release.set)
+    timer.start()
+    try:
+        started = time.monotonic()
+        assert flush(Provider()) is False  # the drain did not finish within its share of 300 ms
+        waited = time.monotonic() - started
+    finally:
+        release.set()
+        timer.cancel()
+    assert waited < 1.0, waited
+    assert 300 * 0.5 <= given[0] <= 300
+    assert emitter.drain(5.0)
+
+
 def test_a_provider_that_is_not_ours_flushes_as_without_the_emitter(caplog):
     from otel_generate.background import BackgroundEmitter, make_draining
 
