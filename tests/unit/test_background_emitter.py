@@ -161,6 +161,34 @@ def test_force_flush_drains_then_flushes_any_provider_with_force_flush():
             raise AssertionError(f"force_flush({bad!r}) did not raise")
 
 
+@pytest.mark.parametrize("answer", ["False", "raises"])
+@pytest.mark.parametrize("signal", ["traces", "metrics", "logs"])
+def test_force_flush_is_false_when_a_providers_own_flush_says_it_did_not_finish(signal, answer, caplog):
+    """``otel_generate.force_flush()`` is True only when all three signals are out: a provider whose
+    ``force_flush`` answers ``False`` (a span processor that could not export) or raises (the SDK's
+    ``MeterProvider`` when a reader fails) makes it False, as the provider's own flush would say."""
+    from otel_generate import _lifecycle
+
+    class Provider:
+        def __init__(self, fails):
+            self.fails = fails
+
+        def force_flush(self, timeout_millis=30_000):
+            if not self.fails:
+                return True
+            if answer == "raises":
+                raise RuntimeError("a metric reader failed")
+            return False
+
+    providers = {name: Provider(name == signal) for name in ("traces", "metrics", "logs")}
+    _lifecycle.enable(providers["traces"], providers["metrics"], logs=True, logger_provider=providers["logs"])
+    try:
+        assert providers[signal].force_flush() is False if answer == "False" else True
+        assert _lifecycle.force_flush(5.0) is False
+    finally:
+        _lifecycle.disable()
+
+
 def test_a_worker_that_cannot_start_runs_the_job_on_the_caller_and_starts_next_time(monkeypatch, caplog):
     from otel_generate import _faults
     from otel_generate.background import BackgroundEmitter
