@@ -285,8 +285,9 @@ def force_flush(timeout_s: float = 30.0) -> bool:
     force-flush the tracer, meter and (with the content event on) logger providers in use (those
     given to ``instrument()``, else the global ones) with the rest, within ``timeout_s`` seconds in
     all. For any provider with a ``force_flush`` method, the SDK's or another. True when all three
-    signals finished in time. Called on the emitter's own thread (from a span processor, say), it
-    does not wait for the emitter's queue: it flushes what is recorded and returns. Never raises.
+    signals finished in time and no provider's ``force_flush`` answered ``False`` or raised. Called
+    on the emitter's own thread (from a span processor, say), it does not wait for the emitter's
+    queue: it flushes what is recorded and returns. Never raises.
 
     Raises:
         ValueError: ``timeout_s`` is not a positive number.
@@ -392,8 +393,9 @@ def flush(
         bound_s: the bound for both providers, instead of :func:`export_timeout_s`.
 
     Returns:
-        ``True`` when every provider finished within its bound (:func:`export_timeout_s`);
-        ``False`` otherwise, after one warning. Never raises.
+        ``True`` when every provider finished within its bound (:func:`export_timeout_s`) and
+        none said it did not (a ``force_flush`` that answered ``False`` or raised); ``False``
+        otherwise (a late provider after one warning). Never raises.
     """
     targets = [
         ("spans", tracer_provider if tracer_provider is not None else trace.get_tracer_provider()),
@@ -407,13 +409,14 @@ def flush(
         targets.append(("logs", logger_provider))
     started = time.monotonic()
     running: List[Tuple[str, float, threading.Thread]] = []
+    failed: List[str] = []  # the signals whose provider answered False or raised
     for signal, provider in targets:
         if not callable(getattr(provider, "shutdown", None)) and not callable(getattr(provider, "force_flush", None)):
             continue
         bound = export_timeout_s(signal) if bound_s is None else bound_s
         thread = threading.Thread(  # (in a context where the providers' flushes do not drain again)
             target=drained_context().run,
-            args=(_run_flush, signal, provider, bound, shutdown),
+            args=(_run_flush, signal, provider, bound, shutdown, failed),
             name=f"otel_generate-flush-{signal}",
             daemon=True,
         )
@@ -433,10 +436,14 @@ def flush(
             "is lost" if shutdown else "is still queued in the provider",
         )
         return False
-    return True
+    return not failed
 
 
-def _run_flush(signal: str, provider: Any, bound_s: float, shut_down: bool = True) -> None:
+def _run_flush(
+    signal: str, provider: Any, bound_s: float, shut_down: bool = True, failed: Optional[List[str]] = None
+) -> None:
+    """Shut ``provider`` down (or force-flush it); ``signal`` is appended to ``failed`` when its
+    ``force_flush`` answered ``False`` or either call raised."""
     try:
         shutdown = getattr(provider, "shutdown", None) if shut_down else None
         if callable(shutdown):
@@ -447,8 +454,11 @@ def _run_flush(signal: str, provider: Any, bound_s: float, shut_down: bool = Tru
         else:
             force_flush = getattr(provider, "force_flush", None)
             if callable(force_flush):  # (a provider with shutdown() only has nothing to flush but stop)
-                force_flush(timeout_millis=int(bound_s * 1000))
+                if force_flush(timeout_millis=int(bound_s * 1000)) is False and failed is not None:
+                    failed.append(signal)
     except Exception as exc:  # an exporter's fault is logged, never raised into an exiting worker
+        if failed is not None:
+            failed.append(signal)
         _warn_once(
             ("flush", signal, type(exc)), "otel_generate: flushing %s failed (%s: %s)", signal, type(exc).__name__, exc
         )

@@ -47,6 +47,7 @@ import atexit
 import collections
 import contextvars
 import functools
+import inspect
 import logging
 import os
 import sys
@@ -383,6 +384,19 @@ def _timeout_s(args: tuple, kwargs: dict) -> Optional[float]:
     return None if millis is None else float(millis) / 1000.0
 
 
+def _default_timeout_s(original: Callable) -> Optional[float]:
+    """The default of ``original``'s ``timeout_millis`` parameter, in seconds (``None``: it has none):
+    a flush called without a timeout is bounded by it (``MeterProvider.force_flush``: 10 s)."""
+    try:
+        parameter = inspect.signature(original).parameters.get("timeout_millis")
+    except (TypeError, ValueError):  # a callable without a signature to read
+        return None
+    default = None if parameter is None else parameter.default
+    if isinstance(default, (int, float)) and not isinstance(default, bool) and default > 0:
+        return float(default) / 1000.0
+    return None
+
+
 def make_draining(original: Callable, emitter: BackgroundEmitter, signal: str, ours: Callable[[Any], bool]) -> Callable:
     """A provider class's ``force_flush``/``shutdown`` that, for a provider this package emits to
     (``ours(provider)``), first drains the emitter's ``signal``, then runs the provider's own. Any
@@ -390,14 +404,18 @@ def make_draining(original: Callable, emitter: BackgroundEmitter, signal: str, o
 
     A call that gives ``timeout_millis`` keeps to it in all: the drain uses at most
     :data:`DRAIN_SHARE` of it and the provider's own call gets what is left (never less than
-    the rest of the share). A ``force_flush`` that says it finished (``True``) says ``False``
-    when the drain did not; the requests left are emitted later."""
+    the rest of the share); a call that gives none keeps to the method's default ``timeout_millis``
+    the same way. A ``force_flush`` that says it finished (``True``) says ``False`` when the drain
+    did not; the requests left are emitted later."""
+    default_s = _default_timeout_s(original)
 
     @functools.wraps(original)
     def draining(self, *args, **kwargs):
         if draining_skipped() or not ours(self):
             return original(self, *args, **kwargs)
         timeout_s = _timeout_s(args, kwargs)
+        if timeout_s is None:
+            timeout_s = default_s
         started = time.monotonic()
         drained = emitter.drain(None if timeout_s is None else timeout_s * DRAIN_SHARE, signal)
         if not drained:

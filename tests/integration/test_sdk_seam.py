@@ -199,9 +199,9 @@ def test_every_metric_and_the_event_are_recorded_in_the_callers_context(instrume
         contexts["metrics"].append((base_context, span))
         return real_metrics(instruments, span, request, summary, base_context, *rest)
 
-    def event(logger, span, request, summary, context=None):
+    def event(logger, span, request, summary, context=None, *rest):
         contexts["event"].append((context, span))
-        return real_event(logger, span, request, summary, context)
+        return real_event(logger, span, request, summary, context, *rest)
 
     monkeypatch.setattr(emit_module, "_record_metrics", metrics)
     monkeypatch.setattr(emit_module, "_emit_details_event", event)
@@ -581,3 +581,79 @@ def test_continuous_batching_requests_each_carry_their_submitters_context(instru
         steps = [s for s in spans if s.parent is not None and s.parent.span_id == request.context.span_id]
         assert generated == 5 and len(steps) == generated
         assert_in_callers_context([request, *steps], tenant, f"session-{tenant}")
+
+
+# --- exemplars: what the application's own view and filter keep -------------------------------------------
+
+
+@pytest.mark.parametrize("exemplar_filter", ["always_on", "trace_based"])
+@pytest.mark.parametrize("aggregation", ["finer buckets", "exponential"])
+def test_inter_token_exemplars_are_those_of_every_value_recorded_in_the_request_span(
+    exemplar_filter, aggregation, instrument, gpt2
+):
+    """An application's ``View`` on ``generate.inter_token_latency`` (other bucket boundaries, or an
+    exponential histogram) and its exemplar filter: the exemplars kept are those the same SDK keeps
+    when the application records every inter-token value itself with the request span in the
+    context, on a histogram of its own with the same view: the same values, each linked to its
+    request span (the exponential histogram's reservoir picks at random: as many, each linked to a
+    request span)."""
+    from opentelemetry.sdk.metrics import AlwaysOnExemplarFilter, TraceBasedExemplarFilter
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.metrics.view import (
+        ExplicitBucketHistogramAggregation,
+        ExponentialBucketHistogramAggregation,
+        View,
+    )
+
+    def chosen():
+        if aggregation == "finer buckets":
+            return ExplicitBucketHistogramAggregation([0.0005 * i for i in range(1, 60)])
+        return ExponentialBucketHistogramAggregation()
+
+    names = (A.METRIC_INTER_TOKEN_LATENCY, "app.inter_token_latency")
+    reader = InMemoryMetricReader()
+    meter_provider = MeterProvider(
+        metric_readers=[reader],
+        views=[View(instrument_name=name, aggregation=chosen()) for name in names],
+        exemplar_filter=AlwaysOnExemplarFilter() if exemplar_filter == "always_on" else TraceBasedExemplarFilter(),
+    )
+    spans = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
+    theirs = meter_provider.get_meter("app").create_histogram(names[1], unit="s")
+    recorded, requests = 0, set()
+    for seed in range(3):
+        ids, mask = prompt(length=4, seed=20 + seed)
+        out = gpt2.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None)
+        assert tracer_provider.force_flush()
+        (request,) = [s for s in ours(spans.get_finished_spans()) if s.name.startswith("text_completion")][-1:]
+        values = list(request.attributes[A.GENERATE_STEP_LATENCIES])[1:]  # one token a step: every decode step
+        assert len(values) == out.shape[-1] - ids.shape[-1] - 1 == 23
+        in_request = trace.set_span_in_context(trace.NonRecordingSpan(request.get_span_context()))
+        for value in values:
+            theirs.record(
+                value, {A.GEN_AI_REQUEST_MODEL: request.attributes[A.GEN_AI_REQUEST_MODEL]}, context=in_request
+            )
+        recorded += len(values)
+        requests.add(request.context.span_id)
+    data = reader.get_metrics_data()
+
+    def exemplars(name):
+        (found,) = [
+            d
+            for r in data.resource_metrics
+            for s in r.scope_metrics
+            for m in s.metrics
+            if m.name == name
+            for d in m.data.data_points
+        ]
+        assert found.count == recorded
+        return sorted((e.value, e.span_id) for e in found.exemplars)
+
+    expected, found = exemplars(names[1]), exemplars(names[0])
+    assert expected and {span_id for _, span_id in expected} <= requests
+    if aggregation == "exponential":
+        assert len(found) == len(expected) and {span_id for _, span_id in found} <= requests
+    else:
+        assert found == expected

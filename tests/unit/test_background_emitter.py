@@ -161,6 +161,34 @@ def test_force_flush_drains_then_flushes_any_provider_with_force_flush():
             raise AssertionError(f"force_flush({bad!r}) did not raise")
 
 
+@pytest.mark.parametrize("answer", ["False", "raises"])
+@pytest.mark.parametrize("signal", ["traces", "metrics", "logs"])
+def test_force_flush_is_false_when_a_providers_own_flush_says_it_did_not_finish(signal, answer, caplog):
+    """``otel_generate.force_flush()`` is True only when all three signals are out: a provider whose
+    ``force_flush`` answers ``False`` (a span processor that could not export) or raises (the SDK's
+    ``MeterProvider`` when a reader fails) makes it False, as the provider's own flush would say."""
+    from otel_generate import _lifecycle
+
+    class Provider:
+        def __init__(self, fails):
+            self.fails = fails
+
+        def force_flush(self, timeout_millis=30_000):
+            if not self.fails:
+                return True
+            if answer == "raises":
+                raise RuntimeError("a metric reader failed")
+            return False
+
+    providers = {name: Provider(name == signal) for name in ("traces", "metrics", "logs")}
+    _lifecycle.enable(providers["traces"], providers["metrics"], logs=True, logger_provider=providers["logs"])
+    try:
+        assert providers[signal].force_flush() is False if answer == "False" else True
+        assert _lifecycle.force_flush(5.0) is False
+    finally:
+        _lifecycle.disable()
+
+
 def test_a_worker_that_cannot_start_runs_the_job_on_the_caller_and_starts_next_time(monkeypatch, caplog):
     from otel_generate import _faults
     from otel_generate.background import BackgroundEmitter
@@ -255,6 +283,38 @@ def test_a_wrapped_flush_splits_its_timeout_and_reports_an_unfinished_drain(capl
     assert caplog.text.count("still held") == 1  # at most once an interval
     release.set()
     assert flush(Provider(), timeout_millis=5000) is True and given[2] > 4000
+
+
+@pytest.mark.parametrize("signal", ["traces", "metrics"])
+def test_a_wrapped_flush_called_without_a_timeout_keeps_to_the_providers_default(signal):
+    """``provider.force_flush()`` with no argument is bounded by the SDK's default ``timeout_millis``
+    (10 s for ``MeterProvider.force_flush``, 30 s for ``shutdown``): the drain takes at most its share
+    of that default, not a bound of its own on top of it. A job without parts (continuous
+    batching's) is waited for even by a meter flush."""
+    from otel_generate.background import BackgroundEmitter, make_draining
+
+    emitter = BackgroundEmitter()
+    release = _blocked(emitter)
+    given = []
+
+    class Provider:
+        def force_flush(self, timeout_millis=300):
+            given.append(timeout_millis)
+            return True
+
+    flush = make_draining(Provider.force_flush, emitter, signal, lambda provider: True)
+    timer = threading.Timer(2.0, release.set)
+    timer.start()
+    try:
+        started = time.monotonic()
+        assert flush(Provider()) is False  # the drain did not finish within its share of 300 ms
+        waited = time.monotonic() - started
+    finally:
+        release.set()
+        timer.cancel()
+    assert waited < 1.0, waited
+    assert 300 * 0.5 <= given[0] <= 300
+    assert emitter.drain(5.0)
 
 
 def test_a_provider_that_is_not_ours_flushes_as_without_the_emitter(caplog):
