@@ -24,7 +24,6 @@ Names and buckets come from :mod:`otel_generate.attributes`; the figures (second
 
 from __future__ import annotations
 
-import bisect
 import json
 import threading
 import time
@@ -611,30 +610,10 @@ def _record_metrics(
         inter_token = instruments.get(A.METRIC_INTER_TOKEN_LATENCY)
         if inter_token is not None:
             record = inter_token.record
-            values = summary.inter_token_latencies_s  # one value per decode step, as vLLM records it
-            offered = None  # the positions recorded with the request span in their context (None: all)
-            plain = context
-            if exemplar_span is not trace.INVALID_SPAN and len(values) > 1:
-                # an exemplar-offering context only for the values that can become exemplars
-                offered = _last_in_each_bucket(values, A.BUCKETS_INTER_TOKEN_LATENCY_S)
-                plain = trace.set_span_in_context(trace.INVALID_SPAN, base_context)
-            for index, value in enumerate(values):
-                record(value, base, context=context if offered is None or index in offered else plain)
+            # one value per decode step, as vLLM records it; each with the request span in its
+            # context: which of them the application's reservoir keeps as exemplars is its own View's
+            # and reservoir's choice, which no public call shows
+            for index, value in enumerate(summary.inter_token_latencies_s):
+                record(value, base, context=context)
                 if yield_every and index % yield_every == yield_every - 1:
                     time.sleep(0)  # a background emitter lets the producer run
-
-
-def _last_in_each_bucket(values: Sequence[float], boundaries: Sequence[float]) -> set:
-    """The positions in ``values`` of the last value that falls in each histogram bucket
-    (``value <= boundary``, as buckets are counted). A histogram's default exemplar reservoir keeps
-    the last measurement offered in each bucket (the specification's
-    ``AlignedHistogramBucketExemplarReservoir``): of one request's values, only these can be its
-    exemplars, so only these are recorded with the request span in their context, and the
-    reservoir ends up holding what it would hold had every value been offered."""
-    found, seen = set(), set()
-    for index in range(len(values) - 1, -1, -1):
-        bucket = bisect.bisect_left(boundaries, values[index])
-        if bucket not in seen:
-            seen.add(bucket)
-            found.add(index)
-    return found
