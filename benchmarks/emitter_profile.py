@@ -315,8 +315,10 @@ def main() -> None:
     )
     parser.add_argument("--top", type=int, default=0, help="print the N most costly functions (inclusive)")
     parser.add_argument("--no-valgrind", action="store_true", help="run the emission once, uncounted")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--count", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child", action="store_true", help="internal: the process the script starts under callgrind")
+    parser.add_argument(
+        "--count", action="store_true", help="internal: with --child, switch callgrind's counting on and off"
+    )
     args = parser.parse_args()
     for name in ("tokens", "requests"):
         if getattr(args, name) < 1:

@@ -162,16 +162,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="--compare, --continuous-batching: instrument(max_step_spans=N), at most N step spans per request "
-        "(0: none); default: the instrumentation's own (OTEL_GENERATE_MAX_STEP_SPANS or 1024)",
+        help="--compare, --continuous-batching, --serve: instrument(max_step_spans=N), at most N step spans "
+        "per request (0: none); default: the instrumentation's own (OTEL_GENERATE_MAX_STEP_SPANS or 1024)",
     )
     parser.add_argument(
         "--step-spans",
         choices=STEP_SPAN_POLICIES,
         default=None,
-        help="--compare, --continuous-batching: instrument(step_spans=...), which requests get step spans; "
-        "default: the "
-        "instrumentation's own (OTEL_GENERATE_STEP_SPANS or all)",
+        help="--compare, --continuous-batching, --serve: instrument(step_spans=...), which requests get step spans; "
+        "default: the instrumentation's own (OTEL_GENERATE_STEP_SPANS or all)",
     )
     parser.add_argument(
         "--background-emission",

@@ -107,10 +107,10 @@ def test_serve_over_http_one_short_round_of_each_side(tmp_path, capsys):
     assert instrumented["otlp_bytes"]["traces"] > plain["otlp_bytes"]["traces"]
     check_levels(doc)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    err = capsys.readouterr().err
-    assert "otel-generate bench --serve (HTTP, continuous batching)" in err
-    assert "otel-generate bench: pair 1/1, saturation, instrumented: 1/2 rounds [" in err
-    assert "requests dropped by the emitter: 0" in err
+    printed = capsys.readouterr()  # the report on stdout; progress and where files went on stderr
+    assert "otel-generate bench --serve (HTTP, continuous batching)" in printed.out
+    assert "requests dropped by the emitter: 0" in printed.out
+    assert "otel-generate bench: pair 1/1, saturation, instrumented: 1/2 rounds [" in printed.err
 
 
 @pytest.mark.skipif(not _continuous_batching_available(), reason="no instrumentable continuous batching")
