@@ -72,7 +72,8 @@ Configuration
   ``OTEL_GENERATE_MEASURE_MEMORY``.
 * ``measure_energy`` (bool, default ``True``): on CUDA with NVML (``pip install
   'otel-generate[energy]'``), the energy each request used (``generate.energy``, per output token,
-  per step), from the GPU's energy counter; without NVML it is off. Environment:
+  per total token, per step, its prefill and its decode), from the GPU's energy counter; without
+  NVML it is off. Environment:
   ``OTEL_GENERATE_MEASURE_ENERGY``.
 * ``tensor_parallel_spans`` (``"rank0"`` or ``"all"``; default ``"rank0"``): when the model is
   sharded by tensor parallelism (``tp_plan``), only the group's rank 0 emits a call's request

@@ -86,6 +86,13 @@ CLOCK_DEVICE = "device"
 GENERATE_ENERGY = "generate.energy"
 #: ``generate.energy`` divided by ``gen_ai.usage.output_tokens`` (joules).
 GENERATE_ENERGY_PER_OUTPUT_TOKEN = "generate.energy.per_output_token"
+#: ``generate.energy`` divided by all the request's tokens, ``gen_ai.usage.input_tokens`` plus
+#: ``gen_ai.usage.output_tokens`` (joules).
+GENERATE_ENERGY_PER_TOTAL_TOKEN = "generate.energy.per_total_token"
+#: Joules of the prefill step(s) and of the decode steps: the sums of their ``generate.step.energy``,
+#: only where every step's energy is known.
+GENERATE_ENERGY_PREFILL = "generate.energy.prefill"
+GENERATE_ENERGY_DECODE = "generate.energy.decode"
 #: Number of decode steps that were timed but not emitted as step spans (``max_step_spans`` cap,
 #: or the step-span policy).
 GENERATE_STEP_SPANS_DROPPED = "generate.step_spans.dropped"

@@ -29,7 +29,9 @@ Definitions, for steps of ``step_tokens[i]`` tokens per sequence ending at ``ste
 * outliers: decode steps slower than ``outlier_factor`` times the request's median decode step
   (none with fewer than 3 decode steps).
 * energy: the request's millijoules in joules, divided by its output tokens for the energy per
-  output token; each step's, when the producer could attribute one to every step.
+  output token and by all its tokens (input and output) for the energy per total token; each
+  step's, when the producer could attribute one to every step, and then the prefill steps' and
+  the decode steps' sums.
 
 :func:`derive` is pure except for the ``slow`` policy, whose decision adds the request to its
 model's running distribution (:class:`~otel_generate.policy.SlowRequests`).
@@ -84,7 +86,12 @@ class Summary:
         energy_j: joules the request used (``Request.energy_mj``), else ``None``.
         energy_per_output_token_j: ``energy_j`` divided by the output tokens, when both are known
             and there is at least one token, else ``None``.
+        energy_per_total_token_j: ``energy_j`` divided by the input and output tokens together, when
+            all are known and there is at least one token, else ``None``.
         step_energies_j: joules per step (``steps``), when every step's energy is known, else ``None``.
+        energy_prefill_j, energy_decode_j: the sums of ``step_energies_j`` over the prefill steps and
+            over the decode steps (``steps``), when every step's energy is known and there is such a
+            step, else ``None``.
     """
 
     duration_s: float
@@ -110,7 +117,10 @@ class Summary:
     acceptance_rate: Optional[float] = None
     energy_j: Optional[float] = None
     energy_per_output_token_j: Optional[float] = None
+    energy_per_total_token_j: Optional[float] = None
     step_energies_j: Optional[List[float]] = None
+    energy_prefill_j: Optional[float] = None
+    energy_decode_j: Optional[float] = None
 
 
 def derive(
@@ -158,6 +168,10 @@ def derive(
         energy_j = summary.energy_j = request.energy_mj / MJ_PER_J
         if request.output_tokens:
             summary.energy_per_output_token_j = energy_j / request.output_tokens
+        if request.output_tokens is not None and request.input_tokens is not None:
+            total_tokens = request.input_tokens + request.output_tokens
+            if total_tokens > 0:
+                summary.energy_per_total_token_j = energy_j / total_tokens
     if not (steps or spans or inter_token):
         return summary
     prefill = summary.prefill = prefill_indices(request)
@@ -175,7 +189,11 @@ def derive(
             summary.acceptance_rate = request.candidates_accepted / request.candidates_proposed
         step_energy = request.step_energy_mj
         if step_energy is not None and len(step_energy) == len(latencies_ns):
-            summary.step_energies_j = [used / MJ_PER_J for used in step_energy]
+            step_energies = summary.step_energies_j = [used / MJ_PER_J for used in step_energy]
+            in_prefill = [used for index, used in enumerate(step_energies) if index in prefill]
+            in_decode = [used for index, used in enumerate(step_energies) if index not in prefill]
+            summary.energy_prefill_j = sum(in_prefill) if in_prefill else None
+            summary.energy_decode_j = sum(in_decode) if in_decode else None
     plain = False  # the inter-token latencies are every step's latency after the first
     if inter_token and error is None and tpot_s is not None:
         if (steps or spans) and len(tokens) == len(ends) and _plain_steps(request, prefill):

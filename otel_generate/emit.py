@@ -343,8 +343,14 @@ def _annotate(
         steps_unseen = summary.steps_unseen
         if summary.energy_j is not None:
             attrs[A.GENERATE_ENERGY] = summary.energy_j
-            if summary.energy_per_output_token_j is not None:
-                attrs[A.GENERATE_ENERGY_PER_OUTPUT_TOKEN] = summary.energy_per_output_token_j
+            for key, value in (
+                (A.GENERATE_ENERGY_PER_OUTPUT_TOKEN, summary.energy_per_output_token_j),
+                (A.GENERATE_ENERGY_PER_TOTAL_TOKEN, summary.energy_per_total_token_j),
+                (A.GENERATE_ENERGY_PREFILL, summary.energy_prefill_j),
+                (A.GENERATE_ENERGY_DECODE, summary.energy_decode_j),
+            ):
+                if value is not None:
+                    attrs[key] = value
         if request.timed:
             attrs[A.GENERATE_SYNCHRONIZED] = request.synchronized
             if request.clock is not None:

@@ -343,8 +343,19 @@ def test_energy_per_token_agrees_with_nvml_around_the_call(
         f"{per_token * 1e3:.3f} mJ/token; NVML around the call {(after - before) / 1000:.3f} J, "
         f"{nvml_per_token * 1e3:.3f} mJ/token ({rel:+.2%}); steps with an energy {len(steps)}/{NEW_TOKENS}"
         + (f", their sum {step_sum:.3f} J" if steps else "")
+        + (
+            f"; prefill {attrs[A.GENERATE_ENERGY_PREFILL]:.3f} J, decode {attrs.get(A.GENERATE_ENERGY_DECODE, 0):.3f} J"
+            if A.GENERATE_ENERGY_PREFILL in attrs
+            else ""
+        )
     )
     assert abs(rel) <= ENERGY_TOLERANCE
+    if len(steps) == NEW_TOKENS:  # every step has an energy: the split is given and adds up to the steps'
+        split = attrs[A.GENERATE_ENERGY_PREFILL] + attrs[A.GENERATE_ENERGY_DECODE]
+        assert split == pytest.approx(step_sum, rel=1e-9)
+        assert attrs[A.GENERATE_ENERGY_PER_TOTAL_TOKEN] == pytest.approx(
+            attrs[A.GENERATE_ENERGY] / (batch * PROMPT_TOKENS + tokens), rel=1e-9
+        )
 
 
 @pytest.mark.parametrize("batch", [1, 8])

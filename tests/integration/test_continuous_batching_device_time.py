@@ -87,6 +87,13 @@ def test_each_batch_step_energy_is_shared_by_tokens_computed_and_the_shares_add_
         assert request.attributes[A.GENERATE_ENERGY_PER_OUTPUT_TOKEN] == pytest.approx(
             sum(shares) / len(outputs[rid].generated_tokens), rel=1e-12
         )
+        total_tokens = len(outputs[rid].prompt_ids) + len(outputs[rid].generated_tokens)
+        assert request.attributes[A.GENERATE_ENERGY_PER_TOTAL_TOKEN] == pytest.approx(
+            sum(shares) / total_tokens, rel=1e-12
+        )
+        # each prompt was prefilled in the first batch step; every later step decoded
+        assert request.attributes[A.GENERATE_ENERGY_PREFILL] == shares[0]
+        assert request.attributes[A.GENERATE_ENERGY_DECODE] == pytest.approx(sum(shares[1:]), rel=1e-12)
         for step in steps:
             by_end.setdefault(step.end_time, {})[rid] = step.attributes[A.GENERATE_STEP_ENERGY]
     for shared in by_end.values():  # the shares of one batch step add up to that step's energy

@@ -216,6 +216,13 @@ def test_energy_of_the_request_its_steps_and_per_token_is_exact(
     assert attrs[A.GENERATE_ENERGY_PER_OUTPUT_TOKEN] == energy_j / output_tokens
     steps = [(b - a) / 1000 for a, b in zip(readings, readings[1:-1])]
     assert [s.attributes[A.GENERATE_STEP_ENERGY] for s in step_spans(span_exporter, request)] == steps
+    # the prefill is the first step, the decode steps the rest; both add up to the start-to-last-step energy
+    assert attrs[A.GENERATE_ENERGY_PREFILL] == (readings[1] - readings[0]) / 1000
+    assert attrs[A.GENERATE_ENERGY_DECODE] == sum(steps[1:])
+    assert attrs[A.GENERATE_ENERGY_DECODE] == pytest.approx((readings[-2] - readings[1]) / 1000, rel=1e-12)
+    input_tokens = 4  # the prompt: 4 ids, no padding
+    assert attrs[A.GEN_AI_USAGE_INPUT_TOKENS] == input_tokens
+    assert attrs[A.GENERATE_ENERGY_PER_TOTAL_TOKEN] == energy_j / (input_tokens + output_tokens)
     (per_token,) = histograms(metric_reader)[A.METRIC_ENERGY_PER_OUTPUT_TOKEN]
     assert per_token.count == 1 and per_token.sum == energy_j / output_tokens
 
@@ -232,6 +239,9 @@ def test_a_counter_coarser_than_a_step_gives_the_request_its_energy_and_no_step_
     request = only_request(span_exporter)
     assert request.attributes[A.GENERATE_ENERGY] == (readings[-1] - readings[0]) / 1000 > 0
     assert all(A.GENERATE_STEP_ENERGY not in s.attributes for s in step_spans(span_exporter, request))
+    # no step's energy, so no split either; the per-token figures stay
+    assert not {A.GENERATE_ENERGY_PREFILL, A.GENERATE_ENERGY_DECODE} & set(request.attributes)
+    assert A.GENERATE_ENERGY_PER_TOTAL_TOKEN in request.attributes
 
 
 def test_a_counter_that_never_moves_gives_no_energy(monkeypatch, instrument, tracer_provider, span_exporter, gpt2):
@@ -240,7 +250,14 @@ def test_a_counter_that_never_moves_gives_no_energy(monkeypatch, instrument, tra
     instrument(tracer_provider=tracer_provider)
     run(gpt2, seed=44)
     request = only_request(span_exporter)
-    assert not {A.GENERATE_ENERGY, A.GENERATE_ENERGY_PER_OUTPUT_TOKEN} & set(request.attributes)
+    energy_keys = {
+        A.GENERATE_ENERGY,
+        A.GENERATE_ENERGY_PER_OUTPUT_TOKEN,
+        A.GENERATE_ENERGY_PER_TOTAL_TOKEN,
+        A.GENERATE_ENERGY_PREFILL,
+        A.GENERATE_ENERGY_DECODE,
+    }
+    assert not energy_keys & set(request.attributes)
     assert all(A.GENERATE_STEP_ENERGY not in s.attributes for s in step_spans(span_exporter, request))
 
 

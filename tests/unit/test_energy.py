@@ -65,6 +65,27 @@ def test_derived_energy_in_joules_per_token_and_per_step():
     assert derive(request).energy_j is None
 
 
+def test_energy_split_into_prefill_and_decode_and_per_total_token():
+    request = Request(model="m", start_ns=0, start_wall_ns=0, end_ns=40, input_tokens=6, output_tokens=4)
+    request.step_ends_ns, request.step_tokens = [10, 20, 30, 40], [1, 1, 1, 1]
+    request.energy_mj, request.step_energy_mj = 2_000, [800, 400, 300, 200]
+    summary = derive(request, steps=True)
+    assert summary.energy_per_total_token_j == 2.0 / (6 + 4)
+    assert (summary.energy_prefill_j, summary.energy_decode_j) == (0.8, 0.4 + 0.3 + 0.2)
+    request.prefill_steps = 2  # a prompt prefilled in two chunks: two prefill steps
+    summary = derive(request, steps=True)
+    assert (summary.energy_prefill_j, summary.energy_decode_j) == (0.8 + 0.4, 0.3 + 0.2)
+    request.prefill_steps = 1
+    request.step_ends_ns, request.step_tokens, request.step_energy_mj = [10], [1], [800]
+    summary = derive(request, steps=True)  # one step, the prefill: no decode step, no decode energy
+    assert (summary.energy_prefill_j, summary.energy_decode_j) == (0.8, None)
+    request.step_energy_mj = None  # a step whose energy is unknown: no split, the total stays
+    summary = derive(request, steps=True)
+    assert (summary.energy_prefill_j, summary.energy_decode_j, summary.energy_j) == (None, None, 2.0)
+    request.input_tokens = None
+    assert derive(request).energy_per_total_token_j is None
+
+
 def test_device_events_for_says_why_there_are_none():
     assert clock.device_events_for(["cpu"])[:2] == (None, clock.NO_EVENTS_CPU)
     assert clock.device_events_for(["mps"])[:2] == (None, clock.NO_EVENTS_NOT_ONE_CUDA_DEVICE)
