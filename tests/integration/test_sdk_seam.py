@@ -44,6 +44,13 @@ SCOPE = "otel_generate"
 TENANT_KEY = otel_context.create_key("app.tenant")
 
 
+def sdk_version():
+    """The installed opentelemetry-sdk's (major, minor)."""
+    from importlib.metadata import version
+
+    return tuple(int(part) for part in version("opentelemetry-sdk").split(".")[:2])
+
+
 def ours(spans):
     return [s for s in spans if s.instrumentation_scope is not None and s.instrumentation_scope.name == SCOPE]
 
@@ -654,6 +661,10 @@ def test_inter_token_exemplars_are_those_of_every_value_recorded_in_the_request_
     expected, found = exemplars(names[1]), exemplars(names[0])
     assert expected and {span_id for _, span_id in expected} <= requests
     if aggregation == "exponential":
-        assert len(found) == len(expected) and {span_id for _, span_id in found} <= requests
+        # as many as the SDK keeps: its reservoir of 20 full. Before 1.45 the SDK's random reservoir
+        # (SimpleFixedSizeExemplarReservoir) can leave its last slot empty, at random, on either side
+        full = {20} if sdk_version() >= (1, 45) else {19, 20}
+        assert len(found) in full and len(expected) in full
+        assert {span_id for _, span_id in found} <= requests
     else:
         assert found == expected
