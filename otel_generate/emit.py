@@ -330,27 +330,21 @@ def _annotate(
             attrs[A.GENERATE_TIME_IN_QUEUE] = summary.time_in_queue_s
         if request.discarded_output_tokens is not None:
             attrs[A.GENERATE_USAGE_DISCARDED_OUTPUT_TOKENS] = request.discarded_output_tokens
-        for key, value in (
+        for key, value in (  # each where known (the energy figures only with generate.energy)
             (A.GENERATE_MEMORY_PEAK_ALLOCATED, request.memory_peak_bytes),
             (A.GENERATE_KV_CACHE_SIZE, request.kv_cache_bytes),
             (A.GENERATE_ASSISTED_PROPOSED, request.candidates_proposed),
             (A.GENERATE_ASSISTED_ACCEPTED, request.candidates_accepted),
+            (A.GENERATE_ASSISTED_ACCEPTANCE_RATE, summary.acceptance_rate),
+            (A.GENERATE_ENERGY, summary.energy_j),
+            (A.GENERATE_ENERGY_PER_OUTPUT_TOKEN, summary.energy_per_output_token_j),
+            (A.GENERATE_ENERGY_PER_TOTAL_TOKEN, summary.energy_per_total_token_j),
+            (A.GENERATE_ENERGY_PREFILL, summary.energy_prefill_j),
+            (A.GENERATE_ENERGY_DECODE, summary.energy_decode_j),
         ):
             if value is not None:
                 attrs[key] = value
-        if summary.acceptance_rate is not None:
-            attrs[A.GENERATE_ASSISTED_ACCEPTANCE_RATE] = summary.acceptance_rate
         steps_unseen = summary.steps_unseen
-        if summary.energy_j is not None:
-            attrs[A.GENERATE_ENERGY] = summary.energy_j
-            for key, value in (
-                (A.GENERATE_ENERGY_PER_OUTPUT_TOKEN, summary.energy_per_output_token_j),
-                (A.GENERATE_ENERGY_PER_TOTAL_TOKEN, summary.energy_per_total_token_j),
-                (A.GENERATE_ENERGY_PREFILL, summary.energy_prefill_j),
-                (A.GENERATE_ENERGY_DECODE, summary.energy_decode_j),
-            ):
-                if value is not None:
-                    attrs[key] = value
         if request.timed:
             attrs[A.GENERATE_SYNCHRONIZED] = request.synchronized
             if request.clock is not None:
